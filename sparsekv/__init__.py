@@ -1,0 +1,23 @@
+"""sparsekv: KV-cache compression policies ("presses") for Hugging Face transformers models.
+
+    from sparsekv import SnapKVPress
+    with SnapKVPress(ratio=0.1)(model):
+        model.generate(...)
+"""
+
+from .cache import CacheStats, KVLayer, SparseCache
+from .press import Press, ScorerPress
+from .presses import H2OPress, SnapKVPress, StreamingLLMPress
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheStats",
+    "H2OPress",
+    "KVLayer",
+    "Press",
+    "ScorerPress",
+    "SnapKVPress",
+    "SparseCache",
+    "StreamingLLMPress",
+]

@@ -1,0 +1,110 @@
+"""Recomputing the attention a press needs, for any attention implementation.
+
+sdpa and flash attention never materialise attention weights, and queries are not cached, so presses rebuild
+the queries of the tokens they care about from the layer's input and recompute only those rows of attention.
+Works on any transformers attention module with `q_proj` (or fused `qkv_proj`), optional `q_norm`, and RoPE
+given as `position_embeddings`: Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def project_queries(module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """Queries `(batch, heads, tokens, head_dim)` of `hidden_states`, normed and rotated as the module does.
+
+    `position_embeddings` are the `(cos, sin)` of exactly these tokens.
+    """
+    b, n, _ = hidden_states.shape
+    d = module.head_dim
+    if hasattr(module, "q_proj"):
+        q = module.q_proj(hidden_states)
+    elif hasattr(module, "qkv_proj"):  # Phi3: fused projection, queries first
+        q = module.qkv_proj(hidden_states)[..., : module.config.num_attention_heads * d]
+    else:
+        raise NotImplementedError(f"{type(module).__name__} has neither q_proj nor qkv_proj")
+    q = q.view(b, n, -1, d).transpose(1, 2)
+    if hasattr(module, "q_norm"):
+        q = module.q_norm(q)
+    cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+    rot = cos.shape[-1]  # partial rotary (Phi3) rotates the first `rot` dims only
+    q_rot, q_pass = q[..., :rot], q[..., rot:]
+    return torch.cat([q_rot * cos + _rotate_half(q_rot) * sin, q_pass], dim=-1)
+
+
+def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention `(batch, kv_heads, group, q, k)` in float32, query heads grouped by their KV head.
+
+    `mask` is boolean, broadcastable to `(batch, 1, 1, q, k)`, True where attention is allowed.
+    """
+    b, h_q, n_q, d = queries.shape
+    h_kv = keys.shape[1]
+    q = queries.view(b, h_kv, h_q // h_kv, n_q, d).float()
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", q, keys.float()) * module.scaling
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return logits.softmax(dim=-1).nan_to_num(0.0)  # fully masked rows (padding queries) give zeros
+
+
+@dataclass
+class AttentionCall:
+    """One call of an attention module, as the hooks saw it.
+
+    Attributes:
+        module: the attention module (gives `layer_idx`, `head_dim`, `scaling`, projections).
+        hidden_states: its input `(batch, q, hidden)`.
+        position_embeddings: `(cos, sin)` of the input tokens.
+        weights: attention weights `(batch, heads, q, k)` when the implementation returned them (eager), else None.
+        input_valid: `(batch, q)` which input tokens are real, or None when all are.
+    """
+
+    module: torch.nn.Module
+    hidden_states: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    weights: torch.Tensor | None
+    input_valid: torch.Tensor | None
+
+    @property
+    def q_len(self) -> int:
+        return self.hidden_states.shape[1]
+
+    def queries(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rotated queries of input tokens `start:end`, `(batch, heads, tokens, head_dim)`."""
+        cos, sin = self.position_embeddings
+        sl = slice(start, end)
+        return project_queries(self.module, self.hidden_states[:, sl], (cos[:, sl], sin[:, sl]))
+
+    def valid(self) -> torch.Tensor:
+        """`(batch, q)` validity of the input tokens."""
+        if self.input_valid is not None:
+            return self.input_valid.to(self.hidden_states.device)
+        b, n = self.hidden_states.shape[:2]
+        return torch.ones(b, n, dtype=torch.bool, device=self.hidden_states.device)
+
+    def prefill_probs(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Attention of prefill queries `start:end` over the prompt `keys` (causal, padding masked).
+
+        Returns `(batch, kv_heads, group, end - start, prompt)`; rows of padding queries are zero.
+        """
+        valid = self.valid()
+        n = keys.shape[-2]
+        causal = torch.arange(n, device=keys.device)[None, :] <= torch.arange(start, end, device=keys.device)[:, None]
+        return self.probs(keys, causal[None] & valid[:, None, :], start, end)
+
+    def probs(self, keys: torch.Tensor, mask: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Attention of input queries `start:end` over `keys`, `(batch, kv_heads, group, q, k)`.
+
+        `mask` `(batch, q, k)` says which keys each query may see; padding queries get zero rows.
+        """
+        mask = mask & self.valid()[:, start:end, None]
+        return attention_probs(self.module, self.queries(start, end), keys, mask[:, None, None])

@@ -1,0 +1,244 @@
+"""The sparsekv cache: transformers' `Cache` holding compressed layers.
+
+A `KVLayer` stores, per KV head, the slots it keeps (any subset of the tokens seen, in any order), with each
+slot's absolute position and whether it is a real token. It reports the *logical* length (every token seen) to
+transformers, so new tokens keep their absolute RoPE positions, and its *physical* size for masks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+# Layer types sparsekv compresses; the others (e.g. Gemma3's sliding layers) keep transformers' own layer.
+COMPRESSED_LAYER_TYPES = ("full_attention",)
+
+
+class KVLayer(CacheLayerMixin):
+    """One attention layer's resident KV.
+
+    Attributes:
+        keys, values: `(batch, kv_heads, slots, head_dim)`, already rotated (RoPE applied at their positions).
+        positions: `(batch, kv_heads, slots)` absolute index of each slot in the (left-padded) input sequence.
+        valid: `(batch, slots)` False for slots that hold no real token (padding); never attended. Validity is
+            shared by the heads of a row: every head of a row keeps the same number of real tokens.
+        extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
+            `keep` / `evict` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
+        logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
+        compressed: True once the physical layout differs from the logical one.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self):
+        super().__init__()
+        self.positions: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.extra: dict[str, torch.Tensor] = {}
+        self.logical_len = 0
+        self.compressed = False
+        self.all_valid = True  # no filler or padding slot: decoding needs no mask
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_empty(b, h, 0, d)
+        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+        self.valid = torch.empty(b, 0, dtype=torch.bool, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, valid: torch.Tensor | None = None, **kwargs):
+        """Append new tokens (all real unless `valid` `(batch, new)` says otherwise); return what is attended."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q, _ = key_states.shape
+        new_pos = torch.arange(self.logical_len, self.logical_len + q, device=self.device)
+        if valid is None:
+            valid = torch.ones(b, q, dtype=torch.bool, device=self.device)
+        else:
+            valid = valid.to(self.device, torch.bool)
+            self.all_valid = self.all_valid and bool(valid.all())
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, new_pos.expand(b, h, q)], dim=-1)
+        self.valid = torch.cat([self.valid, valid], dim=-1)
+        for name, t in self.extra.items():
+            self.extra[name] = torch.cat([t, t.new_zeros(b, h, q)], dim=-1)
+        self.logical_len += q
+        return self.keys, self.values
+
+    # --- selection plumbing, used by presses -------------------------------------------------------------------
+    def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Keep, per row and KV head, the `budgets[row]` slots with the highest `scores` `(batch, heads, slots)`.
+
+        Slots scored `-inf` (padding) are never kept as real tokens. Rows with smaller budgets than the largest
+        get invalid filler slots, ordered first, so that validity stays shared by the heads of a row.
+        """
+        budgets = budgets.to(scores.device)
+        n_keep = int(budgets.max())
+        # A stable sort breaks ties (max-pooling makes plateaus) by position, the same with or without padding.
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_keep]
+        real = (torch.arange(n_keep, device=scores.device) < budgets[:, None])[:, None, :]
+        # Fillers first, then kept tokens by position: every head of a row gets the same validity layout.
+        pos = self.positions.gather(-1, top)
+        order = torch.where(real, pos, pos - self.logical_len - 1).argsort(dim=-1)
+        valid = torch.arange(n_keep, device=scores.device) >= (n_keep - budgets)[:, None]
+        self.select(top.gather(-1, order), valid)
+
+    def select(self, idx: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep the slots `idx` `(batch, heads, k)`; `valid` `(batch, k)` marks which of them are real tokens."""
+        gather = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
+        self.keys, self.values = gather(self.keys), gather(self.values)
+        self.positions = self.positions.gather(-1, idx)
+        self.extra = {name: t.gather(-1, idx) for name, t in self.extra.items()}
+        self.valid = valid
+        self.all_valid = bool(valid.all())
+        self.compressed = True
+
+    def evict(self, victim: torch.Tensor) -> None:
+        """Drop one slot per row and head (`victim` `(batch, heads)`): the last slot moves into its place.
+
+        Victims must be real tokens and the last slot a real (newly generated) token, so validity is unchanged.
+        """
+        last = self.keys.shape[-2] - 1
+        v = victim[..., None]
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            t.scatter_(2, v[..., None].expand(*v.shape, t.shape[-1]), t[:, :, last:])
+            setattr(self, name, t[:, :, :last])
+        self.positions = self.positions.scatter(-1, v, self.positions[..., last:])[..., :last]
+        self.extra = {n: t.scatter(-1, v, t[..., last:])[..., :last] for n, t in self.extra.items()}
+        self.valid = self.valid[:, :last]
+        self.compressed = True
+
+    # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.logical_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slots + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "positions", "valid"):
+                setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.device)))
+            self.extra = {n: t.index_select(0, beam_idx.to(self.device)) for n, t in self.extra.items()}
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("A compressed sparsekv cache cannot be cropped: evicted tokens are gone.")
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds, for memory accounting."""
+        if not self.is_initialized:
+            return []
+        return [self.keys, self.values, self.positions, self.valid, *self.extra.values()]
+
+
+@dataclass
+class CacheStats:
+    """What a sparsekv cache holds. Token counts are per sequence; bytes are for the whole batch.
+
+    Attributes:
+        logical_tokens: tokens seen (prompt, padding included, plus generated).
+        resident_tokens: per layer, KV slots held per sequence (real or filler).
+        attended_tokens: per layer, real tokens attended, averaged over the batch.
+        kv_bytes: bytes of keys and values held, all layers.
+        bytes_by_device: bytes of every tensor the cache holds (KV and bookkeeping), by device.
+        seconds: time spent in press work, by kind (e.g. "compress", "step").
+    """
+
+    logical_tokens: int
+    resident_tokens: list[int]
+    attended_tokens: list[float]
+    kv_bytes: int
+    bytes_by_device: dict[str, int]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_fraction(self) -> float:
+        """Mean resident slots over logical tokens."""
+        mean = sum(self.resident_tokens) / max(len(self.resident_tokens), 1)
+        return mean / max(self.logical_tokens, 1)
+
+
+class SparseCache(Cache):
+    """A transformers `Cache` whose full-attention layers are the press's `KVLayer`s.
+
+    Per-generation state lives here, never on the press: prompt lengths and per-row budgets (set at prefill),
+    the validity of the tokens of the current forward, time spent in press work, and `state`, a slot for a
+    press's own cross-layer state.
+    """
+
+    def __init__(self, press, config):
+        text_config = config.get_text_config(decoder=True)
+        types, kwargs = get_layer_types_and_kwargs(text_config)
+        layers = [
+            press.new_layer(i) if t in COMPRESSED_LAYER_TYPES else DYNAMIC_LAYER_TYPE_MAPPING[t](**kw)
+            for i, (t, kw) in enumerate(zip(types, kwargs))
+        ]
+        super().__init__(layers=layers)
+        self.press = press
+        self.input_valid: torch.Tensor | None = None  # (batch, new tokens) of the forward under way
+        self.prompt_lengths: torch.Tensor | None = None  # (batch,) real prompt tokens
+        self.prompt_start: torch.Tensor | None = None  # (batch,) index of each row's first real token
+        self.budgets: torch.Tensor | None = None  # (batch,) tokens kept per row, set by the press at prefill
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.state = press.new_state(self)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kwargs.setdefault("valid", self.input_valid)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def begin_forward(self, attention_mask: torch.Tensor | None, query_length: int, batch: int) -> None:
+        """Record which of the tokens about to be processed are real, from the 2D attention mask."""
+        self.input_valid = None  # None: every new token is real (the common case, and the fast path)
+        if attention_mask is not None and attention_mask.ndim == 2:
+            valid = attention_mask[:, -query_length:].bool()
+            if not bool(valid.all()):
+                self.input_valid = valid
+        if self.prompt_lengths is None:
+            valid = self.input_valid
+            if valid is None:
+                valid = torch.ones(batch, query_length, dtype=torch.bool)
+            self.prompt_lengths = valid.sum(-1).cpu()
+            self.prompt_start = (query_length - self.prompt_lengths).clamp(min=0)
+
+    def stats(self) -> CacheStats:
+        resident, attended, by_device, kv = [], [], defaultdict(int), 0
+        for layer in self.layers:
+            if layer.keys is None or not layer.is_initialized:
+                resident.append(0)
+                attended.append(0.0)
+                continue
+            n = layer.keys.shape[-2]
+            resident.append(n)
+            valid = getattr(layer, "valid", None)
+            attended.append(float(valid.sum(-1).float().mean()) if valid is not None else float(n))
+            kv += layer.keys.nbytes + layer.values.nbytes
+            tensors = layer.held_tensors() if hasattr(layer, "held_tensors") else [layer.keys, layer.values]
+            for t in tensors:
+                by_device[str(t.device)] += t.nbytes
+        return CacheStats(
+            logical_tokens=self.get_seq_length(),
+            resident_tokens=resident,
+            attended_tokens=attended,
+            kv_bytes=kv,
+            bytes_by_device=dict(by_device),
+            seconds=dict(self.seconds),
+        )

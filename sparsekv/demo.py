@@ -1,0 +1,114 @@
+"""A one-command demo: one needle-in-a-haystack prompt, the full cache against each press.
+
+    python -m sparsekv demo --tokens 2000 --ratio 0.1
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from . import H2OPress, SnapKVPress, StreamingLLMPress
+from .cache import SparseCache
+from .niah import build_needle_prompt, score_answer
+
+PRESSES = {"SnapKV": SnapKVPress, "H2O": H2OPress, "StreamingLLM": StreamingLLMPress}
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Plain-text table of `rows`; `columns` are `(header, key, format spec)`. Numbers are right-aligned."""
+    cells = [[format(row[key], spec) if row[key] is not None else "-" for _, key, spec in columns] for row in rows]
+    numeric = [all(isinstance(row[key], (int, float, type(None))) for row in rows) for _, key, _ in columns]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(columns)]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    header = line([h for h, _, _ in columns])
+    return "\n".join([header, "-" * len(header), *(line(c) for c in cells)])
+
+
+def cache_footprint(cache) -> tuple[float, int]:
+    """`(mean resident KV tokens per layer, KV bytes)` of a `SparseCache` or a transformers `DynamicCache`."""
+    if isinstance(cache, SparseCache):
+        stats = cache.stats()
+        return sum(stats.resident_tokens) / len(stats.resident_tokens), stats.kv_bytes
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    tokens = sum(layer.keys.shape[-2] for layer in layers) / max(len(layers), 1)
+    return tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+
+
+def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int):
+    """Greedy `generate`; returns `(output, seconds)`."""
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
+    return out, time.perf_counter() - start
+
+
+def run_demo(
+    model_name: str = "smollm2-135m",
+    n_tokens: int = 2000,
+    ratio: float = 0.1,
+    max_new_tokens: int = 16,
+    depth: float = 0.5,
+) -> list[dict]:
+    """Answer one needle question with the full cache and with each press at `ratio`; print and return a table.
+
+    Prefill time is that of a 1-token generation; decode ms/token is the rest of a full generation over the
+    tokens after the first.
+    """
+    from .models import load_model
+
+    model, tokenizer = load_model(model_name)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and n_tokens + max_new_tokens > limit:
+        raise ValueError(f"n_tokens + max_new_tokens = {n_tokens + max_new_tokens} exceeds the model's context ({limit}).")
+    input_ids, answer = build_needle_prompt(tokenizer, n_tokens, depth=depth)
+    n_prompt = input_ids.shape[1]
+    print(f"model {model_name}: {n_prompt}-token prompt, needle at depth {depth:.0%}, answer {answer}, ratio {ratio}")
+
+    configs = [("full cache", None)] + [(name, cls(ratio=ratio)) for name, cls in PRESSES.items()]
+    rows = []
+    for name, press in tqdm(configs, desc="presses"):
+
+        def generate(n):
+            if press is None:
+                return timed_generate(model, input_ids, n)
+            with press(model):
+                return timed_generate(model, input_ids, n)
+
+        try:
+            _, prefill = generate(1)
+        except ValueError as err:  # a press that cannot work at this budget says why
+            tqdm.write(f"{name}: skipped: {err}")
+            rows.append({"press": name, "answer": "(skipped)", "correct": "-", "resident": None, "kv_mb": None,
+                         "prefill_s": None, "decode_ms": None})
+            continue
+        out, total = generate(max_new_tokens)
+        new_tokens = out.sequences.shape[1] - n_prompt
+        text = tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True).strip()
+        resident, kv_bytes = cache_footprint(out.past_key_values)
+        rows.append({
+            "press": name,
+            "answer": text if len(text) <= 30 else text[:29] + "…",
+            "correct": "yes" if score_answer(text, answer) else "no",
+            "resident": resident,
+            "kv_mb": kv_bytes / 2**20,
+            "prefill_s": prefill,
+            "decode_ms": 1000 * (total - prefill) / (new_tokens - 1) if new_tokens > 1 else None,
+        })
+    columns = [
+        ("press", "press", ""), ("answer", "answer", ""), ("correct", "correct", ""),
+        ("resident KV tokens", "resident", ".0f"), ("KV MB", "kv_mb", ".2f"),
+        ("prefill s", "prefill_s", ".2f"), ("decode ms/token", "decode_ms", ".1f"),
+    ]
+    print(format_table(rows, columns))
+    return rows

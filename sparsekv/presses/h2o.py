@@ -1,0 +1,81 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..press import Press
+
+
+@dataclass
+class H2OPress(Press):
+    """Keep heavy hitters (tokens that received the most attention) and the most recent tokens.
+
+    Scores are the attention each token has received, accumulated over every query so far (all prompt
+    queries, then every decoding step) and divided by the number of queries that could see it, so early tokens
+    are not favoured for being old. The cache is cut to the budget at prefill and one token is evicted at every
+    decoding step, so it never holds more than the budget after a step (paper sec. 4, Algorithm 1).
+
+    The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix); decoding
+    uses the step's attention weights (eager) or recomputes the one query's row (sdpa, flash).
+
+    Args:
+        ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1].
+        budget: tokens kept per sequence (heavy + recent).
+        recent_ratio: share of the budget reserved for the most recent tokens (default 0.5: the paper's even
+            heavy / recent split, sec. 5).
+        block_size: prompt queries scored at once at prefill (memory vs speed; not part of the method).
+    """
+
+    recent_ratio: float = 0.5
+    block_size: int = 256
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.recent_ratio, (int, float)) and 0 <= self.recent_ratio <= 1):
+            raise ValueError(f"H2OPress: recent_ratio must be in [0, 1]; got {self.recent_ratio!r}.")
+        if not (isinstance(self.block_size, int) and self.block_size >= 1):
+            raise ValueError(f"H2OPress: block_size must be an integer >= 1; got {self.block_size!r}.")
+
+    def heavy_scores(self, cache, layer) -> torch.Tensor:
+        """Normalised received attention; the row's most recent tokens score +inf (always kept)."""
+        seen_by = (layer.logical_len - layer.positions).clamp(min=1)
+        scores = layer.extra["received"] / seen_by
+        recent = (cache.budgets.to(scores.device).double() * self.recent_ratio).round().long()[:, None, None]
+        return scores.masked_fill(layer.positions >= layer.logical_len - recent, float("inf"))
+
+    def compress(self, cache, layer, call):
+        budgets = self.row_budgets(cache)
+        if self.keeps_everything(cache):
+            return
+        layer.extra["received"] = self.received(layer, call)
+        scores = self.heavy_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
+        layer.keep(scores, budgets)
+
+    def received(self, layer, call) -> torch.Tensor:
+        """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`."""
+        b, h_kv, n, _ = layer.keys.shape
+        if call.weights is not None:  # eager already materialised it; padding queries' rows are dropped
+            weights = call.weights.float() * call.valid()[:, None, :, None]
+            return weights.view(b, h_kv, -1, n, n).sum(dim=(2, 3))
+        received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=layer.keys.device)
+        for start in range(0, n, self.block_size):
+            received += call.prefill_probs(layer.keys, start, min(start + self.block_size, n)).sum(dim=(2, 3))
+        return received
+
+    def after_step(self, cache, layer, call):
+        if not layer.compressed:
+            return
+        if call.weights is not None:  # eager: (b, heads, q, slots), already masked
+            b, h_q, q, n = call.weights.shape
+            h_kv = layer.keys.shape[1]
+            received = call.weights.float().view(b, h_kv, h_q // h_kv, q, n).sum(dim=(2, 3))
+        else:
+            new = torch.arange(layer.slots - call.q_len, layer.slots, device=layer.keys.device)
+            visible = layer.valid[:, None, :] & (torch.arange(layer.slots, device=new.device) <= new[:, None])
+            received = call.probs(layer.keys, visible).sum(dim=(2, 3))
+        layer.extra["received"] += received
+        self.hold_budget(cache, layer, self.heavy_scores(cache, layer))
+

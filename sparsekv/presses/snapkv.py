@@ -1,0 +1,65 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..press import ScorerPress
+
+
+@dataclass
+class SnapKVPress(ScorerPress):
+    """Keep the prompt tokens the last `window_size` prompt queries attend to most, plus that window.
+
+    The window's attention is recomputed for the window queries only (w x L, never L x L), summed over the
+    window, averaged over the query heads of each KV head's GQA group (so the cache stays at KV-head size),
+    and smoothed with a 1-D pool so that kept tokens come with their neighbours. Selection is per KV head.
+
+    Args:
+        ratio: fraction of each prompt's KV kept, window included, in (0, 1].
+        budget: tokens kept per prompt, window included (SnapKV's C).
+        window_size: observation window, in tokens (default 32, SnapKV sec. 4).
+        kernel_size: pooling kernel, in tokens (default 7, the SnapKV LongBench configs).
+        pooling: "max" or "avg" (default "max", the LongBench configs).
+    """
+
+    window_size: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.window_size, int) and self.window_size >= 1):
+            raise ValueError(f"SnapKVPress: window_size must be an integer >= 1 (tokens); got {self.window_size!r}.")
+        if not (isinstance(self.kernel_size, int) and self.kernel_size >= 1 and self.kernel_size % 2 == 1):
+            raise ValueError(f"SnapKVPress: kernel_size must be an odd integer >= 1; got {self.kernel_size!r}.")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"SnapKVPress: pooling must be 'max' or 'avg'; got {self.pooling!r}.")
+        if self.budget is not None and self.budget < self.window_size:
+            raise ValueError(
+                f"SnapKVPress: budget={self.budget} must be at least window_size={self.window_size} (it counts the window)."
+            )
+
+    def min_kept(self):
+        return self.window_size, f"window_size={self.window_size}"
+
+    def window_scores(self, layer, call) -> torch.Tensor:
+        """Observation-window attention received by each prompt token, `(batch, kv_heads, prompt)`, pooled.
+
+        Shared with presses that build on SnapKV's scoring (ChunkKV, SentenceKV's prefilter).
+        """
+        n, w = layer.keys.shape[-2], self.window_size
+        probs = call.prefill_probs(layer.keys, n - w, n)  # (b, h_kv, group, w, n)
+        scores = probs.sum(dim=-2).mean(dim=2)
+        pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
+        pad = self.kernel_size // 2
+        b, h, _ = scores.shape
+        scores = pool(scores.reshape(b * h, 1, n), self.kernel_size, stride=1, padding=pad).reshape(b, h, n)
+        scores[..., n - w :] = float("inf")
+        return scores
+
+    def score(self, cache, layer, call):
+        return self.window_scores(layer, call)

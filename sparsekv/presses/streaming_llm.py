@@ -1,0 +1,49 @@
+"""StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with Attention Sinks")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..press import Press
+
+
+@dataclass
+class StreamingLLMPress(Press):
+    """Keep the first `n_sinks` tokens (attention sinks) and the most recent ones: a rolling cache.
+
+    The prompt is cut to sinks + its most recent tokens, and during decoding the oldest non-sink token is
+    evicted as each new one arrives, so the cache never holds more than the budget after a step
+    (the paper's rolling KV cache, sec. 3.2).
+
+    Args:
+        ratio: fraction of each prompt's KV kept (sinks included), in (0, 1].
+        budget: tokens kept per sequence (sinks included).
+        n_sinks: attention-sink tokens always kept (default 4, paper sec. 3.2).
+    """
+
+    n_sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.n_sinks, int) and self.n_sinks >= 0):
+            raise ValueError(f"StreamingLLMPress: n_sinks must be an integer >= 0; got {self.n_sinks!r}.")
+        if self.budget is not None and self.budget <= self.n_sinks:
+            raise ValueError(f"StreamingLLMPress: budget={self.budget} must exceed n_sinks={self.n_sinks}.")
+
+    def recency(self, cache, layer) -> torch.Tensor:
+        """Newer is higher; sinks (each row's first real tokens) and filler slots are never evicted."""
+        start = cache.prompt_start.to(layer.positions.device)[:, None, None]
+        sink = layer.positions < start + self.n_sinks
+        return layer.positions.float().masked_fill(sink, float("inf"))
+
+    def compress(self, cache, layer, call):
+        budgets = self.row_budgets(cache, self.n_sinks + 1, f"n_sinks={self.n_sinks} plus 1 recent token")
+        if not self.keeps_everything(cache):
+            scores = self.recency(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
+            layer.keep(scores, budgets)
+
+    def after_step(self, cache, layer, call):
+        if layer.compressed:
+            self.hold_budget(cache, layer, self.recency(cache, layer))

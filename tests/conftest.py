@@ -1,0 +1,80 @@
+"""Tiny random models of every supported architecture, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 256
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "full_attention"]},
+    ),
+}
+IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def make_model(arch: str = "llama", impl: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config = config_cls(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = impl
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Random init gives near-uniform attention; larger weights make attention (and so selection) peaked.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(params=[(a, i) for a in ARCHITECTURES for i in IMPLEMENTATIONS], ids=lambda p: f"{p[0]}-{p[1]}")
+def any_model(request):
+    arch, impl = request.param
+    return make_model(arch, impl)
+
+
+def prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def greedy(model, ids, mask=None, new=8, **kwargs):
+    return model.generate(
+        ids, attention_mask=mask if mask is not None else torch.ones_like(ids), max_new_tokens=new,
+        do_sample=False, pad_token_id=0, **kwargs,
+    )

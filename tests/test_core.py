@@ -1,0 +1,217 @@
+"""The mechanism every press relies on: hooks, the compressed cache, masks, positions, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ARCHITECTURES, greedy, make_model, prompt
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from sparsekv import H2OPress, KVLayer, SnapKVPress, SparseCache, StreamingLLMPress
+
+PRESSES = {
+    "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
+    "h2o": lambda **kw: H2OPress(**kw),
+    "streaming": lambda **kw: StreamingLLMPress(**kw),
+}
+
+
+def hook_count(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def compressed_layers(cache):
+    return [layer for layer in cache.layers if isinstance(layer, KVLayer)]
+
+
+@pytest.mark.parametrize("name", PRESSES)
+def test_ratio_one_is_identical(any_model, name):
+    ids = prompt(64)
+    reference = greedy(any_model, ids, new=10)
+    with PRESSES[name](ratio=1.0)(any_model):
+        out = greedy(any_model, ids, new=10, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert isinstance(out.past_key_values, SparseCache)
+
+
+@pytest.mark.parametrize("name", PRESSES)
+def test_physical_budget_held(any_model, name):
+    ids, new = prompt(100), 12
+    with PRESSES[name](budget=30)(any_model):
+        out = greedy(any_model, ids, new=new, return_dict_in_generate=True)
+    cache = out.past_key_values
+    grows = name == "snapkv"  # SnapKV compresses the prompt only; H2O and StreamingLLM evict while decoding
+    for layer in compressed_layers(cache):
+        assert layer.keys.shape[-2] == layer.values.shape[-2] == (30 + new - 1 if grows else 30)
+        assert layer.logical_len == 100 + new - 1
+    stats = cache.stats()
+    assert stats.logical_tokens == 100 + new - 1
+    assert max(stats.resident_tokens) < 100
+
+
+def test_sliding_layers_untouched():
+    model = make_model("gemma3")
+    with SnapKVPress(budget=16, window_size=8)(model):
+        out = greedy(model, prompt(64), new=4, return_dict_in_generate=True)
+    sliding = out.past_key_values.layers[0]
+    assert isinstance(sliding, DynamicSlidingWindowLayer) and sliding.keys.shape[-2] == 7
+    assert all(layer.keys.shape[-2] == 16 + 3 for layer in out.past_key_values.layers[1:])
+
+
+def test_memory_really_drops():
+    model = make_model("llama")
+    ids = prompt(200)
+    full = greedy(model, ids, new=2, return_dict_in_generate=True).past_key_values
+    full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
+    with SnapKVPress(ratio=0.25, window_size=8)(model):
+        cache = greedy(model, ids, new=2, return_dict_in_generate=True).past_key_values
+    assert cache.stats().kv_bytes / full_bytes == pytest.approx(51 / 201, abs=1e-6)
+
+
+def test_hooks_removed_and_model_unchanged():
+    model = make_model("qwen3")
+    ids = prompt(40)
+    before = model(ids).logits
+    hooks = hook_count(model)
+    with StreamingLLMPress(ratio=0.5)(model):
+        assert hook_count(model) > hooks
+        greedy(model, ids)
+    assert hook_count(model) == hooks
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_hooks_removed_after_exception():
+    model = make_model("llama")
+    hooks = hook_count(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with H2OPress(ratio=0.5)(model):
+            greedy(model, prompt(40))
+            raise RuntimeError("boom")
+    assert hook_count(model) == hooks
+    # and the press can be installed again
+    with H2OPress(ratio=0.5)(model):
+        greedy(model, prompt(40))
+
+
+def test_press_is_reusable_and_stateless():
+    model = make_model("llama")
+    press = SnapKVPress(ratio=0.5, window_size=8)
+    with press(model):
+        first = greedy(model, prompt(60, seed=1))
+        greedy(model, prompt(90, seed=2))
+        again = greedy(model, prompt(60, seed=1))
+    assert torch.equal(first, again)
+    assert repr(press) == "SnapKVPress(ratio=0.5, budget=None, window_size=8, kernel_size=7, pooling='max')"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", PRESSES)
+def test_batch_with_left_padding_equals_row_by_row(arch, impl, name):
+    model = make_model(arch, impl)
+    rows = [prompt(50, seed=3)[0], prompt(80, seed=4)[0]]
+    ids = torch.zeros(2, 80, dtype=torch.long)
+    mask = torch.zeros(2, 80, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 80 - len(row) :] = row
+        mask[i, 80 - len(row) :] = 1
+    press = PRESSES[name](ratio=0.4)
+    with press(model):
+        batched = greedy(model, ids, mask, new=8)
+        for i, row in enumerate(rows):
+            alone = greedy(model, row[None], new=8)
+            assert torch.equal(batched[i, 80:], alone[0, len(row) :]), f"row {i}"
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gemma3"])
+def test_absolute_positions_kept(arch):
+    """After eviction, the next token must see exactly the kept tokens at their original positions:
+    the compressed cache's logits equal the full cache's with the evicted tokens masked out."""
+    model = make_model(arch, "sdpa")
+    ids, budget, sinks = prompt(64), 20, 4
+    with StreamingLLMPress(budget=budget, n_sinks=sinks)(model):
+        out = model(ids)
+        cache = out.past_key_values
+        kept = torch.cat([torch.arange(sinks), torch.arange(64 - (budget - sinks), 64)])
+        for layer in compressed_layers(cache):
+            assert torch.equal(layer.positions.sort(-1).values, kept.expand(1, 2, budget))
+        nxt = out.logits[:, -1:].argmax(-1)
+        compressed = model(nxt, past_key_values=cache, attention_mask=torch.ones(1, 65, dtype=torch.long)).logits
+    full = model(ids)
+    mask = torch.zeros(1, 1, 1, 65, dtype=torch.bool)
+    mask[..., kept] = True
+    mask[..., 64] = True
+    reference = model(nxt, past_key_values=full.past_key_values, attention_mask=mask).logits
+    torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["h2o", "streaming"])
+def test_never_over_budget_across_long_decode(name):
+    model = make_model("qwen2", "sdpa")
+    with PRESSES[name](budget=24)(model):
+        out = model(prompt(70))
+        cache = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+        for step in range(60):
+            out = model(token, past_key_values=cache)
+            token = out.logits[:, -1:].argmax(-1)
+            assert all(layer.keys.shape[-2] == 24 for layer in compressed_layers(cache)), step
+    assert cache.get_seq_length() == 130
+
+
+def test_h2o_eager_weights_and_sdpa_recompute_agree():
+    kept = {}
+    for impl in ("eager", "sdpa"):
+        model = make_model("llama", impl)
+        with H2OPress(budget=20)(model):
+            out = model(prompt(60))
+            cache = out.past_key_values
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(5):
+                out = model(token, past_key_values=cache)
+                token = out.logits[:, -1:].argmax(-1)
+        kept[impl] = [layer.positions.sort(-1).values for layer in compressed_layers(cache)]
+        scores = [layer.extra["received"] for layer in compressed_layers(cache)]
+        kept[impl + "-scores"] = [s.gather(-1, layer.positions.argsort(-1)) for s, layer in
+                                  zip(scores, compressed_layers(cache))]
+    for a, b in zip(kept["eager"], kept["sdpa"]):
+        assert torch.equal(a, b)
+    for a, b in zip(kept["eager-scores"], kept["sdpa-scores"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_snapkv_scores_match_full_attention():
+    """The w x L recomputation equals SnapKV computed from the full eager attention matrix."""
+    model = make_model("qwen2", "eager")
+    ids, w, budget = prompt(80), 8, 24
+    attn = model(ids, output_attentions=True).attentions
+    with SnapKVPress(budget=budget, window_size=w)(model):
+        cache = model(ids).past_key_values
+    for layer_idx, layer in enumerate(compressed_layers(cache)):
+        a = attn[layer_idx][0, :, -w:, :].sum(1)  # (heads, L)
+        a = a.view(2, 2, 80).mean(1)  # GQA group mean per KV head
+        a = F.max_pool1d(a[:, None], 7, stride=1, padding=3)[:, 0]
+        a[:, -w:] = float("inf")
+        kept = torch.zeros_like(a, dtype=torch.bool).scatter(-1, layer.positions[0], True)
+        assert int(kept.sum()) == 2 * budget
+        # kept tokens are the best scored (ties broken either way, up to float noise between the computations)
+        worst_kept = a.masked_fill(~kept, float("inf")).min(-1).values
+        best_dropped = a.masked_fill(kept, -1.0).max(-1).values
+        assert (worst_kept >= best_dropped - 1e-5).all()
+
+
+def test_stats_report_logical_resident_attended_and_bytes():
+    model = make_model("llama")
+    rows = torch.stack([prompt(60, seed=1)[0], prompt(60, seed=2)[0]])
+    mask = torch.ones_like(rows)
+    mask[0, :20] = 0  # row 0 has 40 real tokens
+    with SnapKVPress(ratio=0.5, window_size=8)(model):
+        cache = greedy(model, rows, mask, new=1, return_dict_in_generate=True).past_key_values
+    stats = cache.stats()
+    assert stats.logical_tokens == 60
+    assert stats.resident_tokens == [30] * 3  # the largest row budget; row 0 holds 10 filler slots
+    assert stats.attended_tokens == [25.0] * 3  # (20 + 30) / 2
+    kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert stats.kv_bytes == kv and stats.bytes_by_device["cpu"] > kv
+    assert stats.seconds["compress"] > 0

