@@ -47,13 +47,16 @@ def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: tor
     """
     b, h_q, n_q, d = queries.shape
     h_kv = keys.shape[1]
-    q = queries.view(b, h_kv, h_q // h_kv, n_q, d).float()
-    logits = torch.einsum("bhgqd,bhkd->bhgqk", q, keys.float()) * module.scaling
+    q = queries.reshape(b, h_kv, h_q // h_kv * n_q, d).float()
+    logits = (q @ keys.float().transpose(-1, -2)).view(b, h_kv, h_q // h_kv, n_q, -1).mul_(module.scaling)
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.masked_fill(~mask, float("-inf"))
-    return logits.softmax(dim=-1).nan_to_num(0.0)  # fully masked rows (padding queries) give zeros
+    logits.masked_fill_(~mask, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if not bool(mask.any(dim=-1).all()):  # fully masked rows (padding queries) give NaN: make them zeros
+        probs = probs.nan_to_num_(0.0)
+    return probs
 
 
 @dataclass
@@ -94,12 +97,12 @@ class AttentionCall:
     def prefill_probs(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Attention of prefill queries `start:end` over the prompt `keys` (causal, padding masked).
 
-        Returns `(batch, kv_heads, group, end - start, prompt)`; rows of padding queries are zero.
+        Returns `(batch, kv_heads, group, end - start, end)`: causality means these queries see no key past
+        `end`, so those are left out. Rows of padding queries are zero.
         """
         valid = self.valid()
-        n = keys.shape[-2]
-        causal = torch.arange(n, device=keys.device)[None, :] <= torch.arange(start, end, device=keys.device)[:, None]
-        return self.probs(keys, causal[None] & valid[:, None, :], start, end)
+        causal = torch.arange(end, device=keys.device)[None, :] <= torch.arange(start, end, device=keys.device)[:, None]
+        return self.probs(keys[..., :end, :], causal[None] & valid[:, None, :end], start, end)
 
     def probs(self, keys: torch.Tensor, mask: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Attention of input queries `start:end` over `keys`, `(batch, kv_heads, group, q, k)`.

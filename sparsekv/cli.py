@@ -1,7 +1,7 @@
 """The `sparsekv` command line: `sparsekv <command> [options]`.
 
 Each command is an entry of `COMMANDS`: a function adding its options to a subparser and a function running it
-with the parsed arguments. Add `eval`, `bench` or `report` by adding an entry.
+with the parsed arguments. Add a command (e.g. `bench`) by adding an entry.
 """
 
 from __future__ import annotations
@@ -43,11 +43,13 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 # --- demo ------------------------------------------------------------------------------------------------------
 def _demo_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="model alias, .gguf file or directory (default: %(default)s)")
-    parser.add_argument("--tokens", type=_int_at_least(64), default=2000, help="prompt length in tokens, >= 64 (default: %(default)s)")
-    parser.add_argument("--ratio", type=_fraction(zero_allowed=False), default=0.1, help="fraction of the prompt's KV kept, in (0, 1] (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=_int_at_least(1), default=16, help="tokens generated (default: %(default)s)")
-    parser.add_argument("--depth", type=_fraction(zero_allowed=True), default=0.5, help="needle depth in [0, 1] (default: %(default)s)")
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="model alias, .gguf file or directory (default: %(default)s)")
+    add("--tokens", type=_int_at_least(64), default=2000, help="prompt length in tokens, >= 64 (default: %(default)s)")
+    add("--ratio", type=_fraction(zero_allowed=False), default=0.1,
+        help="fraction of the prompt's KV kept, in (0, 1] (default: %(default)s)")
+    add("--max-new-tokens", type=_int_at_least(1), default=16, help="tokens generated (default: %(default)s)")
+    add("--depth", type=_fraction(zero_allowed=True), default=0.5, help="needle depth in [0, 1] (default: %(default)s)")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -64,9 +66,109 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(item_type: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of `item_type` values."""
+
+    def parse(text: str) -> list:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("give at least one value")
+        return [item_type(item) for item in items]
+
+    return parse
+
+
+# --- eval ------------------------------------------------------------------------------------------------------
+def _eval_args(parser: argparse.ArgumentParser) -> None:
+    from .evaluation import PRESSES, TASKS
+
+    add = parser.add_argument
+    add("--model", default="smollm2-135m",
+        help="alias (smollm2-135m, qwen2.5-0.5b), .gguf file, model folder or Hub id (default: %(default)s)")
+    add("--tasks", type=_csv(str), default=list(TASKS),
+        help=f"comma-separated: {', '.join(TASKS)}, or ruler:<task> / longbench:<task> from the Hub "
+        "(default: every local task)")
+    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm"],
+        help=f"comma-separated, of: {', '.join(PRESSES)} (default: snapkv,h2o,streamingllm; the full cache "
+        "is added unless --no-full)")
+    kept = parser.add_mutually_exclusive_group()
+    kept.add_argument("--ratios", type=_csv(_fraction(zero_allowed=False)), default=[0.5, 0.25, 0.1],
+                      help="fractions of the KV kept, each in (0, 1] (default: 0.5,0.25,0.1)")
+    kept.add_argument("--budgets", type=_csv(_int_at_least(1)), help="tokens of KV kept, instead of --ratios")
+    add("--lengths", type=_csv(_int_at_least(16)), default=[4096],
+        help="prompt lengths in model tokens, chat template included (default: 4096)")
+    add("--samples", type=_int_at_least(1), default=20, help="samples per task and length (default: %(default)s)")
+    add("--mode", choices=("question", "agnostic", "both"), default="question",
+        help="question: context and question compressed together; agnostic: the context compressed alone, "
+        "then the question answered from it; both (default: %(default)s)")
+    add("--out", default="results", help="results folder; finished runs in it are skipped (default: %(default)s)")
+    add("--seed", type=_int_at_least(0), default=0, help="seed of the generated samples (default: %(default)s)")
+    add("--max-new-tokens", type=_int_at_least(1), help="tokens generated per answer (default: each task's own)")
+    add("--haystack", help="a text file whose sentences replace the noise haystack")
+    add("--no-full", action="store_true", help="do not run the full-cache reference")
+    add("--device-map", help="accelerate device map for large models, e.g. auto")
+    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(default: %(default)s)")
+    add("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
+        help="(default: %(default)s)")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .evaluation import EvalConfig, format_report, load_and_evaluate
+    from .evaluation.runner import check_model_name
+    from .models import MODELS
+
+    try:
+        config = EvalConfig(
+            model=args.model, tasks=args.tasks, presses=args.presses, ratios=args.ratios, budgets=args.budgets,
+            lengths=args.lengths, samples=args.samples, mode=args.mode, out=args.out, seed=args.seed,
+            max_new_tokens=args.max_new_tokens, haystack=args.haystack, full=not args.no_full,
+        )
+        check_model_name(args.model)
+        if args.haystack:
+            from .evaluation.tasks import read_haystack
+
+            read_haystack(args.haystack)
+        spec = MODELS.get(args.model)
+        if spec is not None and max(args.lengths) > spec.context_length:
+            raise ValueError(f"--lengths: {max(args.lengths)} exceeds the context of {args.model} "
+                             f"({spec.context_length} tokens)")
+        results = load_and_evaluate(config, device_map=args.device_map, dtype=getattr(torch, args.dtype),
+                                    attn_implementation=args.attn_implementation)
+    except ValueError as err:
+        args.parser.error(str(err))
+    if results:
+        print(format_report(results))
+    return 0
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+def _report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results_dir", metavar="RESULTS_DIR", help="the --out folder of sparsekv eval")
+    parser.add_argument("--plot", help="PNG to write (default: RESULTS_DIR/accuracy.png)")
+
+
+def _report(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from .evaluation import format_report, load_results, plot
+
+    try:
+        results = load_results(args.results_dir)
+    except ValueError as err:
+        args.parser.error(str(err))
+    print(format_report(results))
+    path = plot(results, args.plot or pathlib.Path(args.results_dir) / "accuracy.png")
+    print(f"plot: {path}")
+    return 0
+
+
 # name -> (help, add arguments, run)
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "demo": ("needle-in-a-haystack demo: full cache vs each press", _demo_args, _demo),
+    "eval": ("RULER-style long-context evaluation: tasks x presses x ratios x lengths", _eval_args, _eval),
+    "report": ("table and plot of the results of sparsekv eval", _report_args, _report),
 }
 
 

@@ -9,6 +9,7 @@ import time
 
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from . import H2OPress, SnapKVPress, StreamingLLMPress
 from .cache import SparseCache
@@ -40,8 +41,20 @@ def cache_footprint(cache) -> tuple[float, int]:
     return tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
 
 
-def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int):
-    """Greedy `generate`; returns `(output, seconds)`."""
+class StepClock(LogitsProcessor):
+    """Records `time.perf_counter()` each time generate scores a next token, i.e. after every forward."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int, **kwargs):
+    """Greedy `generate`; returns `(output, seconds, step stamps)`, stamps relative to the start."""
+    clock = StepClock()
     start = time.perf_counter()
     out = model.generate(
         input_ids,
@@ -49,8 +62,10 @@ def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int):
         max_new_tokens=max_new_tokens,
         do_sample=False,
         return_dict_in_generate=True,
+        logits_processor=LogitsProcessorList([clock]),
+        **kwargs,
     )
-    return out, time.perf_counter() - start
+    return out, time.perf_counter() - start, [t - start for t in clock.stamps]
 
 
 def run_demo(
@@ -62,15 +77,16 @@ def run_demo(
 ) -> list[dict]:
     """Answer one needle question with the full cache and with each press at `ratio`; print and return a table.
 
-    Prefill time is that of a 1-token generation; decode ms/token is the rest of a full generation over the
-    tokens after the first.
+    Prefill time is that of a 1-token generation. Decode ms/token is the rest of the full generation over the
+    tokens after the first: `(total - first token) / (generated - 1)`, with the first token's time taken in
+    the same run (a separate run's prefill, noisier than a few decoding steps, can make it negative).
     """
     from .models import load_model
 
     model, tokenizer = load_model(model_name)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and n_tokens + max_new_tokens > limit:
-        raise ValueError(f"n_tokens + max_new_tokens = {n_tokens + max_new_tokens} exceeds the model's context ({limit}).")
+        raise ValueError(f"n_tokens + max_new_tokens = {n_tokens + max_new_tokens} exceeds the context ({limit})")
     input_ids, answer = build_needle_prompt(tokenizer, n_tokens, depth=depth)
     n_prompt = input_ids.shape[1]
     print(f"model {model_name}: {n_prompt}-token prompt, needle at depth {depth:.0%}, answer {answer}, ratio {ratio}")
@@ -86,24 +102,24 @@ def run_demo(
                 return timed_generate(model, input_ids, n)
 
         try:
-            _, prefill = generate(1)
+            _, prefill, _ = generate(1)
         except ValueError as err:  # a press that cannot work at this budget says why
             tqdm.write(f"{name}: skipped: {err}")
             rows.append({"press": name, "answer": "(skipped)", "correct": "-", "resident": None, "kv_mb": None,
                          "prefill_s": None, "decode_ms": None})
             continue
-        out, total = generate(max_new_tokens)
+        out, total, stamps = generate(max_new_tokens)
         new_tokens = out.sequences.shape[1] - n_prompt
-        text = tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True).strip()
+        text = " ".join(tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True).split())
         resident, kv_bytes = cache_footprint(out.past_key_values)
         rows.append({
             "press": name,
-            "answer": text if len(text) <= 30 else text[:29] + "…",
+            "answer": text if len(text) <= 30 else text[:27] + "...",
             "correct": "yes" if score_answer(text, answer) else "no",
             "resident": resident,
             "kv_mb": kv_bytes / 2**20,
             "prefill_s": prefill,
-            "decode_ms": 1000 * (total - prefill) / (new_tokens - 1) if new_tokens > 1 else None,
+            "decode_ms": 1000 * (total - stamps[0]) / (new_tokens - 1) if new_tokens > 1 else None,
         })
     columns = [
         ("press", "press", ""), ("answer", "answer", ""), ("correct", "correct", ""),

@@ -45,6 +45,7 @@ def build_needle_prompt(
         seed: picks the key word and the 7-digit number (deterministic).
         answer_prefix: start the assistant's reply with "The special magic number for {key} mentioned in the
             provided text is", as RULER does, so the number is the first thing generated (a few tokens).
+            Prompts too short for it (under ~80 tokens) drop the task instructions, then this prefix.
 
     Returns:
         `(input_ids (1, L), answer)` where `answer` is the 7-digit number as a string.
@@ -56,7 +57,6 @@ def build_needle_prompt(
     needle = f"One of the special magic numbers for {key} is: {answer}."
     question = f"What is the special magic number for {key} mentioned in the provided text?"
     reply = f"The special magic number for {key} mentioned in the provided text is" if answer_prefix else ""
-
     intro = INTRO + "\n"
 
     def build(n_sentences: int) -> torch.Tensor:
@@ -65,9 +65,12 @@ def build_needle_prompt(
         return _encode(tokenizer, f"{intro}{' '.join(haystack)}\n{question}", reply)
 
     base = build(0).shape[1]
-    if n_tokens < base:  # very short prompts drop the instructions
+    if n_tokens < base:  # very short prompts drop the instructions, then the answer prefix
         intro = ""
         base = build(0).shape[1]
+        if n_tokens < 0.98 * base:
+            reply = ""
+            base = build(0).shape[1]
     if n_tokens < 0.98 * base:
         raise ValueError(f"n_tokens={n_tokens} is shorter than the needle and question alone ({base} tokens).")
     per_sentence = (build(100).shape[1] - base) / 100

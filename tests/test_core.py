@@ -125,25 +125,48 @@ def test_batch_with_left_padding_equals_row_by_row(arch, impl, name):
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gemma3"])
-def test_absolute_positions_kept(arch):
-    """After eviction, the next token must see exactly the kept tokens at their original positions:
-    the compressed cache's logits equal the full cache's with the evicted tokens masked out."""
-    model = make_model(arch, "sdpa")
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("new", [1, 3])
+def test_absolute_positions_kept(arch, impl, new):
+    """After eviction, new tokens must see exactly the kept tokens at their original positions (and each other,
+    causally): the compressed cache's logits equal the full cache's with the evicted tokens masked out."""
+    model = make_model(arch, impl)
     ids, budget, sinks = prompt(64), 20, 4
+    follow = prompt(new, seed=9)
     with StreamingLLMPress(budget=budget, n_sinks=sinks)(model):
-        out = model(ids)
-        cache = out.past_key_values
+        cache = model(ids).past_key_values
         kept = torch.cat([torch.arange(sinks), torch.arange(64 - (budget - sinks), 64)])
         for layer in compressed_layers(cache):
             assert torch.equal(layer.positions.sort(-1).values, kept.expand(1, 2, budget))
-        nxt = out.logits[:, -1:].argmax(-1)
-        compressed = model(nxt, past_key_values=cache, attention_mask=torch.ones(1, 65, dtype=torch.long)).logits
-    full = model(ids)
-    mask = torch.zeros(1, 1, 1, 65, dtype=torch.bool)
+        compressed = model(follow, past_key_values=cache, attention_mask=torch.ones(1, 64 + new)).logits
+    full = model(ids).past_key_values
+    mask = torch.zeros(1, 1, new, 64 + new, dtype=torch.bool)
     mask[..., kept] = True
-    mask[..., 64] = True
-    reference = model(nxt, past_key_values=full.past_key_values, attention_mask=mask).logits
+    mask[..., 64:] = torch.ones(new, new, dtype=torch.bool).tril()
+    if impl == "eager":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    reference = model(follow, past_key_values=full, attention_mask=mask).logits
     torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_custom_scorer_press_as_in_the_readme():
+    from dataclasses import dataclass
+
+    from sparsekv import ScorerPress
+
+    @dataclass
+    class KeyNormPress(ScorerPress):
+        def score(self, cache, layer, call):
+            return -layer.keys.norm(dim=-1)
+
+    model = make_model("llama")
+    ids = (torch.randperm(250, generator=torch.Generator().manual_seed(0))[:40] + 3)[None]  # distinct: no ties
+    full = model(ids).past_key_values
+    with KeyNormPress(budget=10)(model):
+        cache = model(ids).past_key_values
+    for layer, reference in zip(compressed_layers(cache), full.layers):
+        smallest = reference.keys.norm(dim=-1).topk(10, dim=-1, largest=False).indices.sort(-1).values
+        assert torch.equal(layer.positions.sort(-1).values, smallest)
 
 
 @pytest.mark.parametrize("name", ["h2o", "streaming"])

