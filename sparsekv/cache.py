@@ -7,6 +7,7 @@ transformers, so new tokens keep their absolute RoPE positions, and its *physica
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -200,6 +201,15 @@ class SparseCache(Cache):
         self.budgets: torch.Tensor | None = None  # (batch,) tokens kept per row, set by the press at prefill
         self.seconds: dict[str, float] = defaultdict(float)
         self.state = press.new_state(self)
+
+    def __deepcopy__(self, memo):
+        """A copy (e.g. to answer several questions from one compressed context) shares the press: it is
+        configuration, never state."""
+        memo[id(self.press)] = self.press
+        clone = memo[id(self)] = object.__new__(type(self))
+        for name, value in self.__dict__.items():
+            setattr(clone, name, copy.deepcopy(value, memo))
+        return clone
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         kwargs.setdefault("valid", self.input_valid)

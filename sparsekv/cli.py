@@ -169,6 +169,9 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "demo": ("needle-in-a-haystack demo: full cache vs each press", _demo_args, _demo),
     "eval": ("RULER-style long-context evaluation: tasks x presses x ratios x lengths", _eval_args, _eval),
     "report": ("table and plot of the results of sparsekv eval", _report_args, _report),
+    "bench": ("prefill and decode latency, memory and KV: presses vs the full cache and the oracle",
+              lambda parser: __import__("sparsekv.bench").bench.add_arguments(parser),
+              lambda args: __import__("sparsekv.bench").bench.run_command(args)),
 }
 
 

@@ -106,6 +106,7 @@ def _call(module, args, kwargs, cache, weights=None) -> AttentionCall:
     return AttentionCall(module, hidden, kwargs["position_embeddings"], weights, cache.input_valid)
 
 
+@torch.no_grad()  # press work never needs gradients
 def _before_attention(module, args, kwargs):
     cache = _cache_of(kwargs)
     if cache is None:
@@ -127,6 +128,7 @@ def _before_attention(module, args, kwargs):
     return args, kwargs
 
 
+@torch.no_grad()
 def _after_attention(module, args, kwargs, output):
     cache = _cache_of(kwargs)
     if cache is None:

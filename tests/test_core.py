@@ -238,3 +238,16 @@ def test_stats_report_logical_resident_attended_and_bytes():
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     assert stats.kv_bytes == kv and stats.bytes_by_device["cpu"] > kv
     assert stats.seconds["compress"] > 0
+
+
+def test_deepcopy_shares_the_press_and_copies_the_state():
+    import copy
+
+    model = make_model("llama")
+    press = SnapKVPress(budget=16, window_size=8)
+    with press(model), torch.no_grad():
+        cache = model(prompt(40)).past_key_values
+    clone = copy.deepcopy(cache)
+    assert clone.press is press
+    assert clone.layers[0].keys is not cache.layers[0].keys
+    assert torch.equal(clone.layers[0].keys, cache.layers[0].keys)

@@ -1,0 +1,420 @@
+"""`sparsekv bench`: what each press costs at prefill and saves at decoding, against two references.
+
+For every prompt length L, greedy generations of exactly `max_new_tokens` tokens are timed with:
+
+- the full cache on the L-token prompt ("full");
+- each press keeping `ratio` of the prompt (or `budget` tokens);
+- the *oracle* of that press: the full cache on a prompt as long as the press's budget (`round(ratio * L)` or
+  `budget` tokens), i.e. what a perfect press keeping that many tokens would cost.
+
+Prompts are suffixes of one needle-in-a-haystack prompt (`sparsekv.niah`), so every length is exact and the
+question stays at the end. A logits processor stamps the time after every forward (as `demo.StepClock`):
+prefill is the time to the first stamp, the decode latencies are the deltas between stamps. Each configuration
+is warmed up once on a short prompt, the repeats are interleaved across configurations (so drift in machine
+load hits all of them alike), and medians are reported. Peak memory is the process's resident set size above
+its level before the run, sampled by a background thread (`ru_maxrss` only ever grows over a process's life,
+so it cannot tell configurations apart), plus `torch.cuda.max_memory_allocated` on a GPU. KV tokens and bytes
+are those of the cache at the end of the generation (`SparseCache.stats()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import math
+import statistics
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm.auto import tqdm
+from transformers import LogitsProcessorList
+
+from .cache import SparseCache
+from .demo import StepClock, cache_footprint, format_table
+from .evaluation.presses import PRESSES, make_press
+from .niah import build_needle_prompt
+
+WARMUP_TOKENS = 1024  # warm-up prompt length (at most the configuration's own)
+WARMUP_NEW_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One measured configuration: `press` ("full" or a name of `PRESSES`) on a prompt of `length` tokens."""
+
+    press: str
+    length: int
+    ratio: float | None = None
+    budget: int | None = None
+
+    @property
+    def kept(self) -> int:
+        """Prompt tokens the press keeps: its budget, or `ratio` of the prompt (rounded as `Press.row_budgets`)."""
+        if self.press == "full":
+            return self.length
+        return self.budget if self.budget is not None else max(1, round(self.ratio * self.length))
+
+    def label(self, lengths) -> str:
+        if self.press == "full":
+            return "full" if self.length in lengths else "oracle"
+        return f"{self.press} " + (f"b={self.budget}" if self.budget is not None else f"r={self.ratio:g}")
+
+    def make_press(self):
+        return None if self.press == "full" else make_press(self.press, self.ratio, self.budget)
+
+
+def plan(lengths, presses, ratios=None, budgets=None) -> list[tuple[Setting, Setting, Setting]]:
+    """`(press, full cache at the same length, oracle)` for every length x press x ratio (or budget).
+
+    Raises ValueError for unknown presses, budgets larger than a length and presses that refuse a budget.
+    """
+    kept = [(None, b) for b in budgets] if budgets else [(r, None) for r in ratios]
+    triples = []
+    for length in lengths:
+        full = Setting("full", length)
+        for name in presses:
+            if name == "full":  # the full cache is always measured
+                continue
+            for ratio, budget in kept:
+                setting = Setting(name, length, ratio, budget)
+                if budget is not None and budget > length:
+                    raise ValueError(f"--budgets: {budget} exceeds the {length}-token prompt of --lengths.")
+                try:
+                    setting.make_press()
+                except ValueError as err:
+                    raise ValueError(f"{setting.label(lengths)}: {err}") from None
+                triples.append((setting, full, Setting("full", setting.kept)))
+    if not triples:
+        raise ValueError(f"--presses: give at least one press other than full; known presses: {', '.join(PRESSES)}.")
+    return triples
+
+
+def check_inputs(lengths, presses, ratios, budgets, max_new_tokens: int, repeats: int, context: int | None,
+                 plot: str | None = None, json_path: str | None = None) -> None:
+    """Raise ValueError with a clear message for any input the benchmark cannot run."""
+    for name in presses:
+        make_press(name, ratio=1.0)  # unknown names raise, listing the presses
+    if (ratios is None) == (budgets is None):
+        raise ValueError("give exactly one of --ratios and --budgets.")
+    if ratios is not None and not (ratios and all(0 < r <= 1 for r in ratios)):
+        raise ValueError(f"--ratios: each must be in (0, 1]; got {ratios}.")
+    if budgets is not None and not (budgets and all(isinstance(b, int) and b >= 1 for b in budgets)):
+        raise ValueError(f"--budgets: each must be an integer >= 1; got {budgets}.")
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--lengths: give positive token counts; got {lengths}.")
+    if max_new_tokens < 2:
+        raise ValueError(f"--max-new-tokens: at least 2 (one decoding step); got {max_new_tokens}.")
+    if repeats < 1:
+        raise ValueError(f"--repeats: at least 1; got {repeats}.")
+    if context is not None and max(lengths) + max_new_tokens > context:
+        raise ValueError(f"--lengths: {max(lengths)} tokens + {max_new_tokens} generated exceeds the model's "
+                         f"context ({context} tokens).")
+    for option, path in (("--plot", plot), ("--json", json_path)):
+        if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+            raise ValueError(f"{option}: the folder of {path} does not exist.")
+    if plot is not None and Path(plot).suffix.lower() != ".png":
+        raise ValueError(f"--plot: must be a .png file; got {plot}.")
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+class PeakRSS:
+    """Context manager: peak resident set size of this process above its level at entry, in `peak_mb`.
+
+    A background thread samples `psutil.Process().memory_info().rss` every `interval` seconds (and once more at
+    exit), so a peak shorter than `interval` can be missed.
+    """
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self._process = interval, psutil.Process()
+        self.baseline = self.peak = 0
+
+    def _rss(self) -> int:
+        return self._process.memory_info().rss
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self):
+        self.baseline = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def peak_mb(self) -> float:
+        return (self.peak - self.baseline) / 2**20
+
+
+def _release_memory() -> None:
+    """Return freed memory to the system before a run, so its baseline does not hide memory it reuses."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed heap pages otherwise
+    except (OSError, AttributeError):
+        pass
+
+
+class SyncedStepClock(StepClock):
+    """`StepClock` that waits for the GPU first, so that each stamp is taken when the forward is done."""
+
+    def __call__(self, input_ids, scores):
+        if scores.is_cuda:
+            torch.cuda.synchronize(scores.device)
+        return super().__call__(input_ids, scores)
+
+
+def step_latencies(stamps: list[float]) -> list[float]:
+    """Milliseconds of each decoding step from the per-step time stamps (seconds): one fewer than the stamps."""
+    return [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
+
+
+def slope_per_1k(latencies_ms: list[float]) -> float | None:
+    """Least-squares slope of latency (ms) over the generated-token index, in ms per 1,000 generated tokens."""
+    if len(latencies_ms) < 2:
+        return None
+    return 1000 * statistics.linear_regression(range(len(latencies_ms)), latencies_ms).slope
+
+
+def running_median(values: list[float], window: int = 16) -> list[float]:
+    """Median of the `window` values ending at each index (of fewer at the start)."""
+    return [statistics.median(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
+def kv_footprint(cache) -> tuple[float, float, int]:
+    """`(resident tokens, attended tokens, KV bytes)`: tokens per sequence, mean over layers."""
+    if isinstance(cache, SparseCache):
+        stats = cache.stats()
+        return statistics.mean(stats.resident_tokens), statistics.mean(stats.attended_tokens), stats.kv_bytes
+    resident, kv_bytes = cache_footprint(cache)  # the full cache attends everything it holds
+    return resident, resident, kv_bytes
+
+
+def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=None) -> dict:
+    """One greedy generation of exactly `max_new_tokens` tokens with `press` (None: full cache).
+
+    Returns prefill seconds, the decode latency of every step (ms), peak memory above the pre-run level (MB;
+    CUDA: None off the GPU) and the final cache's resident and attended tokens and KV bytes.
+    """
+    _release_memory()
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ids.device)
+        gpu_base = torch.cuda.memory_allocated(ids.device)
+    clock = SyncedStepClock()
+    with PeakRSS() as rss, press(model) if press is not None else nullcontext():
+        start = time.perf_counter()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, return_dict_in_generate=True, logits_processor=LogitsProcessorList([clock]),
+            pad_token_id=pad_token_id,
+        )
+    stamps = [t - start for t in clock.stamps]
+    resident, attended, kv_bytes = kv_footprint(out.past_key_values)
+    return {
+        "prefill_s": stamps[0],
+        "steps_ms": step_latencies(stamps),
+        "peak_mb": rss.peak_mb,
+        "cuda_peak_mb": (torch.cuda.max_memory_allocated(ids.device) - gpu_base) / 2**20 if cuda else None,
+        "resident": resident,
+        "attended": attended,
+        "kv_bytes": kv_bytes,
+    }
+
+
+# --- summary -----------------------------------------------------------------------------------------------------
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def medians(runs: list[dict]) -> dict:
+    """Medians over the repeats of one configuration. `decode_ms` is the median of each run's median step;
+    `curve` the median latency at each step, `slope` its linear fit (ms per 1,000 generated tokens)."""
+    curve = [statistics.median(step) for step in zip(*(r["steps_ms"] for r in runs))]
+    return {
+        "prefill_s": _median(r["prefill_s"] for r in runs),
+        "decode_ms": _median(statistics.median(r["steps_ms"]) for r in runs),
+        "slope": slope_per_1k(curve),
+        "peak_mb": _median(r["peak_mb"] for r in runs),
+        "cuda_peak_mb": _median(r["cuda_peak_mb"] for r in runs),
+        "resident": _median(r["resident"] for r in runs),
+        "attended": _median(r["attended"] for r in runs),
+        "kv_mb": _median(r["kv_bytes"] for r in runs) / 2**20,
+        "curve": curve,
+    }
+
+
+def summarize(runs: dict[Setting, list[dict]], triples, lengths) -> list[dict]:
+    """One row per configuration (in `runs`' order): medians, and for presses the ratios to the full cache at
+    the same length (`*_vs_full`) and to the oracle (`*_vs_oracle`)."""
+    med = {setting: medians(r) for setting, r in runs.items()}
+    refs = {press: (full, oracle) for press, full, oracle in triples}
+    rows = []
+    for setting, m in med.items():
+        row = {"config": setting.label(lengths), "press": setting.press, "ratio": setting.ratio,
+               "budget": setting.budget, "length": setting.length, "kept": setting.kept, **m}
+        full, oracle = refs.get(setting, (None, None))
+        for metric in ("prefill_s", "decode_ms", "peak_mb", "cuda_peak_mb", "kv_mb"):
+            name = metric.rsplit("_", 1)[0]
+            row[f"{name}_vs_full"] = _ratio(m[metric], med[full][metric]) if full else None
+            row[f"{name}_vs_oracle"] = _ratio(m[metric], med[oracle][metric]) if oracle else None
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The benchmark's table (the GPU column only when measured)."""
+    columns = [
+        ("config", "config", ""), ("length", "length", "d"),
+        ("prefill s", "prefill_s", ".3f"), ("prefill/full", "prefill_vs_full", ".2f"),
+        ("decode ms/tok", "decode_ms", ".2f"), ("decode/full", "decode_vs_full", ".2f"),
+        ("decode/oracle", "decode_vs_oracle", ".2f"), ("slope ms/1k tok", "slope", ".2f"),
+        ("peak MB", "peak_mb", ".1f"), ("GPU peak MB", "cuda_peak_mb", ".1f"),
+        ("resident tok", "resident", ".0f"), ("attended tok", "attended", ".0f"),
+        ("KV MB", "kv_mb", ".2f"), ("KV/full", "kv_vs_full", ".3f"),
+    ]
+    if all(row["cuda_peak_mb"] is None for row in rows):
+        columns = [c for c in columns if c[1] != "cuda_peak_mb"]
+    return format_table(rows, columns)
+
+
+def plot_latency(rows: list[dict], path, title: str = "", window: int = 16) -> Path:
+    """PNG of decode latency (ms, running median of `window` steps) vs generated token, a line per row."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for row in rows:
+        ax.plot(range(1, len(row["curve"]) + 1), running_median(row["curve"], window),
+                label=f"{row['config']} ({row['length']} tok)", linestyle="--" if row["press"] == "full" else "-")
+    ax.set_xlabel("generated token")
+    ax.set_ylabel(f"decode latency, ms (running median of {window})")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+# --- the benchmark -----------------------------------------------------------------------------------------------
+def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm"), ratios=None, budgets=None,
+              max_new_tokens: int = 64, repeats: int = 3, plot=None, json_path=None, title: str = "") -> list[dict]:
+    """Measure every configuration (warm-up, then `repeats` interleaved runs); return the summary rows.
+
+    `ratios` defaults to `[0.1]` unless `budgets` is given. Writes the latency plot to `plot` and the rows (with
+    their per-step latency curves) to `json_path` when given. Invalid inputs raise ValueError before any run.
+    """
+    ratios = [0.1] if ratios is None and budgets is None else ratios
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    check_inputs(lengths, presses, ratios, budgets, max_new_tokens, repeats, limit, plot, json_path)
+    triples = plan(lengths, presses, ratios, budgets)
+    settings = list(dict.fromkeys(s for triple in triples for s in (triple[1], triple[2], triple[0])))
+
+    longest = max(s.length for s in settings)
+    source, _ = build_needle_prompt(tokenizer, math.ceil(1.03 * longest) + 16)
+    if source.shape[1] < longest:
+        raise ValueError(f"the tokenizer made a {source.shape[1]}-token prompt; {longest} tokens are needed.")
+    source = source.to(model.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def run(setting: Setting, length: int, new_tokens: int) -> dict:
+        return measure(model, source[:, -length:], setting.make_press(), new_tokens, pad)
+
+    # Every code path once, on a short prompt the press accepts; presses first: a budget they refuse fails fast.
+    for s in tqdm(sorted(settings, key=lambda s: s.press == "full"), desc="warm-up"):
+        floor = s.budget if s.budget is not None else (math.ceil(128 / s.ratio) if s.ratio else 0)
+        try:
+            run(s, min(s.length, max(WARMUP_TOKENS, floor)), WARMUP_NEW_TOKENS)
+        except ValueError as err:
+            raise ValueError(f"{s.label(lengths)} at {s.length} tokens: {err}") from None
+    runs = {s: [] for s in settings}
+    with tqdm(total=repeats * len(settings), desc="measuring") as bar:
+        for _ in range(repeats):  # interleaved: drift in machine load hits every configuration alike
+            for s in settings:
+                runs[s].append(run(s, s.length, max_new_tokens))
+                bar.update()
+
+    rows = summarize(runs, triples, lengths)
+    if plot:
+        plot_latency(rows, plot, title)
+    if json_path:
+        meta = {"title": title, "threads": torch.get_num_threads(), "device": str(model.device),
+                "max_new_tokens": max_new_tokens, "repeats": repeats}
+        Path(json_path).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    return rows
+
+
+# --- command line (the `bench` entry of sparsekv.cli.COMMANDS) ---------------------------------------------------
+def add_arguments(parser) -> None:
+    """Options of `sparsekv bench`."""
+    from .cli import _csv, _fraction, _int_at_least
+
+    add = parser.add_argument
+    add("--model", default="smollm2-135m",
+        help="alias (smollm2-135m, qwen2.5-0.5b), .gguf file, model folder or Hub id (default: %(default)s)")
+    add("--lengths", type=_csv(_int_at_least(1)), default=[8000], help="prompt lengths in tokens (default: 8000)")
+    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm"],
+        help=f"comma-separated, of: {', '.join(p for p in PRESSES if p != 'full')} (default: snapkv,h2o,"
+        "streamingllm; the full cache and each press's oracle are always measured)")
+    kept = parser.add_mutually_exclusive_group()
+    kept.add_argument("--ratios", type=_csv(_fraction(zero_allowed=False)),
+                      help="fractions of the prompt's KV kept, each in (0, 1] (default: 0.1)")
+    kept.add_argument("--budgets", type=_csv(_int_at_least(1)), help="tokens of KV kept, instead of --ratios")
+    add("--max-new-tokens", type=_int_at_least(2), default=64, help="tokens generated, exactly (default: %(default)s)")
+    add("--repeats", type=_int_at_least(1), default=3, help="timed runs per configuration (default: %(default)s)")
+    add("--plot", metavar="FILE.png", help="write decode latency vs generated tokens, a line per configuration")
+    add("--json", metavar="FILE.json", help="write the rows, with per-step latency curves")
+    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(default: %(default)s)")
+    add("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
+        help="(default: %(default)s)")
+    add("--device", help="e.g. cpu, cuda (default: cuda when available, else cpu)")
+
+
+def run_command(args) -> int:
+    """Run `sparsekv bench` with parsed `args`; bad inputs exit through `args.parser.error`."""
+    from .evaluation.runner import check_model_name
+    from .models import MODELS, load_model
+
+    ratios = args.ratios if args.ratios or args.budgets else [0.1]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        spec = MODELS.get(args.model)
+        check_model_name(args.model)
+        check_inputs(args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens, args.repeats,
+                     spec.context_length if spec else None, args.plot, args.json)
+        plan(args.lengths, args.presses, ratios, args.budgets)
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype),
+                                      attn_implementation=args.attn_implementation, device_map=device)
+        title = f"{args.model}, {device}, {torch.get_num_threads()} threads, median of {args.repeats}"
+        print(title)
+        rows = run_bench(model, tokenizer, args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens,
+                         args.repeats, args.plot, args.json, title)
+    except ValueError as err:
+        args.parser.error(str(err))
+    print(format_rows(rows))
+    for path in (args.plot, args.json):
+        if path:
+            print(f"wrote {path}")
+    return 0

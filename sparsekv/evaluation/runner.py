@@ -1,0 +1,302 @@
+"""Running a sweep: tasks x presses x ratios (or budgets) x lengths x modes, on one model loaded once.
+
+Each run writes `OUT/<model>/<task>/<press>_<ratio|bBUDGET>_<length>_<mode>/`: `config.json`, then one line per
+sample in `predictions.jsonl` (reply, score, error if any), then `metrics.json`. A run whose `metrics.json`
+exists is skipped, and samples already answered are not redone, so an interrupted sweep resumes where it stopped.
+
+Modes: "question" feeds context + question to `generate` (the press compresses both); "agnostic" compresses
+the context alone, then answers the question from a copy of the compressed cache. The full cache does not
+depend on the mode: it runs once, in "question" mode, as the reference of both.
+
+Under `accelerate launch`, each process answers its share of every run's samples into its own shard
+(`predictions.rank<i>.jsonl`); process 0 merges the shards once all are done. On CPUs, start the processes with
+`accelerate launch --multi_gpu --num_processes 2 -m sparsekv eval ...` (torchrun underneath; `--cpu` alone starts
+one process, as it expects MPI) or `torchrun --nproc_per_node 2 -m sparsekv eval ...`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+from ..models import MODELS
+from .hub import is_hub_task, load_hub_task
+from .presses import PRESSES, make_press
+from .prompts import Prompt, Sample, encode
+from .results import check_config, merge, open_shard, read_records, write_json
+from .scoring import score
+from .tasks import TASKS, read_haystack
+
+MODES = ("question", "agnostic", "both")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One point of the sweep."""
+
+    task: str
+    press: str
+    ratio: float | None
+    budget: int | None
+    length: int
+    mode: str
+
+    @property
+    def name(self) -> str:
+        kept = f"b{self.budget}" if self.budget is not None else f"{self.ratio:g}"
+        return f"{self.press}_{kept}_{self.length}_{self.mode}"
+
+
+@dataclass
+class EvalConfig:
+    """What `sparsekv eval` sweeps; every option of the command. Invalid values raise ValueError."""
+
+    model: str = "smollm2-135m"
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    presses: list[str] = field(default_factory=lambda: ["snapkv", "h2o", "streamingllm"])
+    ratios: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.1])
+    budgets: list[int] | None = None  # when given, replaces `ratios`
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    samples: int = 20
+    mode: str = "question"  # "question", "agnostic" or "both"
+    out: str = "results"
+    seed: int = 0
+    max_new_tokens: int | None = None  # None: each task's own
+    haystack: str | None = None
+    full: bool = True  # include the full-cache reference
+
+    def __post_init__(self):
+        for task in self.tasks:
+            if task not in TASKS and not is_hub_task(task):
+                raise ValueError(f"--tasks: unknown task {task!r}; local tasks: {', '.join(TASKS)}; "
+                                 "Hub tasks: ruler:<task>, longbench:<task>.")
+        for press in self.presses:
+            make_press(press, ratio=1.0)  # raises for unknown names
+        if self.mode not in MODES:
+            raise ValueError(f"--mode: must be one of {', '.join(MODES)}; got {self.mode!r}.")
+        if not self.budgets and not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in self.ratios):
+            raise ValueError(f"--ratios: each must be in (0, 1]; got {self.ratios}.")
+        if self.budgets and not all(isinstance(b, int) and b >= 1 for b in self.budgets):
+            raise ValueError(f"--budgets: each must be an integer >= 1; got {self.budgets}.")
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"--lengths: give positive token counts; got {self.lengths}.")
+        if self.samples < 1:
+            raise ValueError(f"--samples: must be at least 1; got {self.samples}.")
+
+    def runs(self) -> list[Run]:
+        """Every run of the sweep, the full-cache reference first for each task and length."""
+        modes = ["question", "agnostic"] if self.mode == "both" else [self.mode]
+        kept = [(None, b) for b in self.budgets] if self.budgets else [(r, None) for r in self.ratios]
+        compressed = [p for p in self.presses if PRESSES[p] is not None]
+        runs = []
+        for length in self.lengths:
+            for task in self.tasks:
+                if self.full or "full" in self.presses:
+                    runs.append(Run(task, "full", 1.0, None, length, "question"))
+                runs += [Run(task, p, r, b, length, m) for p in compressed for r, b in kept for m in modes]
+        return runs
+
+
+class _SingleProcess:
+    """The `accelerate.PartialState` interface for one process (used when accelerate is not wanted)."""
+
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def wait_for_everyone(self):
+        pass
+
+    def split_between_processes(self, items):
+        return nullcontext(items)
+
+
+def model_slug(name: str) -> str:
+    """A folder name for a model: the alias, a local file's stem / folder's name, or a Hub id with `__`."""
+    path = Path(name).expanduser()
+    if name not in MODELS and path.exists():
+        return path.stem if path.is_file() else path.resolve().name
+    return name.replace("/", "__")
+
+
+def run_directory(config: EvalConfig, run: Run) -> Path:
+    """`OUT/<model>/<task>/<run name>`."""
+    return Path(config.out) / model_slug(config.model) / run.task.replace(":", "_") / run.name
+
+
+def check_model_name(name: str) -> None:
+    """Raise ValueError unless `name` is an alias, an existing path or a Hub id (`org/name`)."""
+    if name not in MODELS and not Path(name).expanduser().exists() and "/" not in name:
+        raise ValueError(f"--model: unknown model {name!r}; aliases: {', '.join(MODELS)}; "
+                         "or a local .gguf file or model folder, or a Hub id such as org/name.")
+
+
+def context_limit(model) -> int | None:
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def answer_agnostic(model, press, context_ids, questions: list[torch.Tensor], generation: GenerationConfig):
+    """Compress `context_ids` alone, then answer each question from its own copy of the compressed cache.
+
+    Must run inside `with press(model):`. Returns, per question, the generated ids after the prompt.
+    """
+    cache = press.make_cache(model)
+    with torch.no_grad():
+        model(context_ids, past_key_values=cache, logits_to_keep=1)
+    replies = []
+    for question in questions:
+        ids = torch.cat([context_ids, question.to(context_ids.device)], dim=1)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copy.deepcopy(cache),
+                             generation_config=generation)
+        replies.append(out[0, ids.shape[1]:])
+    return replies
+
+
+def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int) -> str:
+    """The model's greedy reply to one prompt, with `press` (None: full cache) in `mode`."""
+    generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=model.generation_config.eos_token_id)
+    device = model.device
+    if mode == "agnostic" and press is not None:
+        reply = answer_agnostic(model, press, prompt.context_ids.to(device), [prompt.question_ids], generation)[0]
+    else:
+        ids = prompt.ids.to(device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=generation)
+        reply = out[0, ids.shape[1]:]
+    return tokenizer.decode(reply, skip_special_tokens=True)
+
+
+class Evaluator:
+    """Runs an `EvalConfig`'s sweep on a loaded model; `state` is an `accelerate.PartialState` (or alike)."""
+
+    def __init__(self, config: EvalConfig, model, tokenizer, state=None):
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.state = state or _SingleProcess()
+        self.haystack = read_haystack(config.haystack) if config.haystack else None
+        self._haystack_hash = None
+        if config.haystack:
+            self._haystack_hash = hashlib.sha256(Path(config.haystack).read_bytes()).hexdigest()
+        self._samples: dict[tuple[str, int], tuple[list[Sample], list[Prompt], int] | None] = {}
+        limit = context_limit(model)
+        for length in config.lengths:
+            longest = max(self.new_tokens(t) for t in config.tasks)
+            if limit is not None and length + longest > limit:
+                raise ValueError(f"--lengths: {length} tokens + {longest} generated exceeds the model's context "
+                                 f"({limit} tokens).")
+
+    def new_tokens(self, task: str, default: int = 64) -> int:
+        return self.config.max_new_tokens or (TASKS[task].max_new_tokens if task in TASKS else default)
+
+    def samples(self, task: str, length: int):
+        """`(samples, prompts, new tokens)` of a task at a length, made once; None when a Hub task is skipped."""
+        key = (task, length)
+        if key not in self._samples:
+            n, seed = self.config.samples, self.config.seed
+            if task in TASKS:
+                depths = [i / (n - 1) if n > 1 else 0.5 for i in range(n)]  # swept evenly, ends included
+                make, tok = TASKS[task].make, self.tokenizer
+                samples = [make(tok, length, seed * 100_000 + i, d, self.haystack) for i, d in enumerate(depths)]
+                self._samples[key] = (samples, [encode(self.tokenizer, s) for s in samples], self.new_tokens(task))
+            else:
+                loaded = load_hub_task(task, length, n, self.tokenizer)
+                if loaded is not None:
+                    samples, hub_tokens = loaded
+                    prompts = [encode(self.tokenizer, s) for s in samples]
+                    loaded = (samples, prompts, self.config.max_new_tokens or hub_tokens)
+                self._samples[key] = loaded
+        return self._samples[key]
+
+    def directory(self, run: Run) -> Path:
+        return run_directory(self.config, run)
+
+    def run_config(self, run: Run, n_samples: int, new_tokens: int) -> dict:
+        c = self.config
+        return {"model": model_slug(c.model), "model_source": c.model, **asdict(run), "samples": n_samples,
+                "seed": c.seed, "max_new_tokens": new_tokens, "haystack": c.haystack,
+                "haystack_sha256": self._haystack_hash}
+
+    def run_all(self) -> list[dict]:
+        """Every run of the sweep (done ones read back); returns their metrics."""
+        results = []
+        for run in self.config.runs():
+            metrics = self.run_one(run)
+            if metrics is not None:
+                results.append(metrics)
+        return results
+
+    def run_one(self, run: Run) -> dict | None:
+        """One run, resumed if it was interrupted; its metrics (None on non-main processes or skipped tasks)."""
+        directory = self.directory(run)
+        if (directory / "metrics.json").exists():
+            return json.loads((directory / "metrics.json").read_text()) if self.state.is_main_process else None
+        loaded = self.samples(run.task, run.length)
+        if loaded is None:
+            return None
+        samples, prompts, new_tokens = loaded
+        config = self.run_config(run, len(samples), new_tokens)
+        check_config(directory, config)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.state.is_main_process:
+            write_json(directory / "config.json", config)
+        done = read_records(directory)
+        try:
+            press, press_error = make_press(run.press, run.ratio, run.budget), None
+        except ValueError as err:  # e.g. a budget below SnapKV's window: every sample of the run fails
+            press, press_error = None, str(err)
+        shard = directory / f"predictions.rank{self.state.process_index}.jsonl"
+        with self.state.split_between_processes(list(range(len(samples)))) as mine:
+            todo = [i for i in mine if i not in done]
+            bar = tqdm(todo, desc=f"{run.task} {run.name}", disable=not self.state.is_main_process or not todo)
+            with press(self.model) if press is not None else nullcontext(), open_shard(shard) as out:
+                for i in bar:
+                    record = self.predict(press, run, samples[i], prompts[i], new_tokens, press_error)
+                    out.write(json.dumps({"index": i, "process": self.state.process_index, **record}) + "\n")
+                    out.flush()
+        self.state.wait_for_everyone()
+        return merge(directory, config) if self.state.is_main_process else None
+
+    def predict(self, press, run: Run, sample: Sample, prompt: Prompt, new_tokens: int, error: str | None = None):
+        """One sample's record: reply, score, fraction of KV kept, and the press's error if it could not run."""
+        compressed = prompt.context_ids.shape[1] if run.mode == "agnostic" else len(prompt)
+        kept = run.ratio if run.budget is None else min(1.0, run.budget / compressed)
+        record = {"depth": sample.depth, "answers": sample.answers, "metric": sample.metric,
+                  "prompt_tokens": len(prompt), "kv_fraction": kept}
+        try:
+            if error is not None:
+                raise ValueError(error)
+            reply = answer(self.model, self.tokenizer, press, prompt, run.mode, new_tokens)
+        except ValueError as err:  # e.g. a budget larger than the prompt: counted wrong, the sweep goes on
+            return {**record, "prediction": "", "score": 0.0, "error": str(err)}
+        return {**record, "prediction": reply, "score": score(reply, sample.answers, sample.metric)}
+
+
+def load_and_evaluate(config: EvalConfig, device_map=None, dtype=torch.float32, attn_implementation="sdpa",
+                      distributed: bool = True) -> list[dict]:
+    """Load the model once and run the sweep; with `distributed`, samples are split over accelerate processes."""
+    from ..models import load_model
+
+    check_model_name(config.model)
+    done = [run_directory(config, run) / "metrics.json" for run in config.runs()]
+    if all(path.exists() for path in done):  # a finished sweep: nothing to load
+        return [json.loads(path.read_text()) for path in done]
+    state = None
+    if distributed:
+        from accelerate import PartialState
+
+        # Processes on CPU (no accelerator, or `--cpu`) only join a process group when told they are on CPU.
+        accelerator = getattr(torch, "accelerator", torch.cuda)
+        on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not accelerator.is_available()
+        state = PartialState(cpu=on_cpu)
+        if state.num_processes > 1 and device_map is None:
+            device_map = {"": state.device}
+    model, tokenizer = load_model(config.model, dtype=dtype, attn_implementation=attn_implementation,
+                                  device_map=device_map)
+    return Evaluator(config, model, tokenizer, state).run_all()

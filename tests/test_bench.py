@@ -1,0 +1,195 @@
+"""`sparsekv bench`: summary rows and ratios, latency slope, memory sampling, the plot, bad inputs.
+
+Offline: a word-level tokenizer over the needle prompt's words and a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+from conftest import make_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from sparsekv import bench
+from sparsekv.bench import Setting, medians, plan, run_bench, slope_per_1k, step_latencies, summarize
+from sparsekv.cli import main
+from sparsekv.niah import INTRO, KEYS, NOISE
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """Whole words and punctuation of the needle prompt; anything else (numbers) is <unk>."""
+    words = " ".join([*NOISE, INTRO, *KEYS, "One of the special magic numbers for is What mentioned in provided text"])
+    pre = pre_tokenizers.Whitespace()
+    vocab = ["<pad>", "<s>", "</s>", "<unk>", *dict.fromkeys(w for w, _ in pre.pre_tokenize_str(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return make_model("llama", "sdpa", vocab_size=len(tokenizer), max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, model, tokenizer):
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def measured(model, tokenizer, tmp_path_factory):
+    """One small real benchmark: two presses at two ratios, plot and JSON written."""
+    out = tmp_path_factory.mktemp("bench")
+    rows = run_bench(model, tokenizer, [240], ["snapkv", "streamingllm"], ratios=[0.5, 1.0], max_new_tokens=6,
+                     repeats=2, plot=out / "lat.png", json_path=out / "rows.json")
+    return rows, out
+
+
+# --- pure functions ----------------------------------------------------------------------------------------------
+def test_slope_on_synthetic_timestamps():
+    # latency grows by 0.004 ms per generated token, i.e. 4 ms per 1,000, from 10 ms; prefill 0.5 s
+    latencies = [10 + 0.004 * i for i in range(2000)]
+    stamps = [0.5]
+    for ms in latencies:
+        stamps.append(stamps[-1] + ms / 1000)
+    assert step_latencies(stamps) == pytest.approx(latencies)
+    assert slope_per_1k(step_latencies(stamps)) == pytest.approx(4.0, rel=1e-6)
+    assert slope_per_1k([7.0] * 50) == pytest.approx(0.0, abs=1e-9)
+    assert slope_per_1k([1.0]) is None
+
+
+def test_running_median_window():
+    values = [1, 100, 2, 3, 200, 4]
+    assert bench.running_median(values, window=3) == [1, 50.5, 2, 3, 3, 4]
+
+
+def fake_run(prefill, steps, peak, kv_bytes, resident):
+    return {"prefill_s": prefill, "steps_ms": steps, "peak_mb": peak, "cuda_peak_mb": None,
+            "resident": resident, "attended": resident, "kv_bytes": kv_bytes}
+
+
+def test_rows_and_ratios_are_ratios_of_the_medians():
+    triples = plan([1000], ["h2o"], ratios=[0.25])
+    press, full, oracle = triples[0]
+    assert (full, oracle) == (Setting("full", 1000), Setting("full", 250))
+    runs = {
+        full: [fake_run(2.0, [10, 12, 11], 300, 4 * 2**20, 1002), fake_run(4.0, [20, 30, 25], 500, 4 * 2**20, 1002)],
+        oracle: [fake_run(0.5, [4, 4, 5], 90, 2**20, 252), fake_run(0.7, [5, 6, 7], 110, 2**20, 252)],
+        press: [fake_run(2.5, [5, 6, 6], 200, 2**20, 250), fake_run(3.5, [6, 8, 8], 220, 2**20, 250)],
+    }
+    rows = {row["config"]: row for row in summarize(runs, triples, [1000])}
+    assert list(rows) == ["full", "oracle", "h2o r=0.25"]
+    row, f, o = rows["h2o r=0.25"], rows["full"], rows["oracle"]
+    assert (f["length"], o["length"], row["length"], row["kept"]) == (1000, 250, 1000, 250)
+    # decode ms/token: median over runs of each run's median step
+    assert (f["decode_ms"], o["decode_ms"], row["decode_ms"]) == (18.0, 5.0, 7.0)
+    assert row["decode_vs_oracle"] == pytest.approx(7.0 / 5.0)
+    assert row["decode_vs_full"] == pytest.approx(7.0 / 18.0)
+    assert row["prefill_vs_full"] == pytest.approx(3.0 / 3.0)
+    assert row["prefill_vs_oracle"] == pytest.approx(3.0 / 0.6)
+    assert row["peak_vs_full"] == pytest.approx(210 / 400)
+    assert row["kv_vs_full"] == pytest.approx(0.25)
+    assert row["curve"] == [5.5, 7.0, 7.0]  # per-step median over the runs
+    assert f["decode_vs_oracle"] is None and f["prefill_vs_full"] is None  # references get no ratios
+    table = bench.format_rows(list(rows.values()))
+    assert "decode/oracle" in table and "GPU peak MB" not in table
+    assert f"{7.0 / 5.0:.2f}" in table.splitlines()[-1]
+
+
+def test_medians_slope_uses_the_median_curve():
+    runs = [fake_run(1, [1, 2, 3, 4], 0, 0, 1), fake_run(1, [3, 4, 5, 6], 0, 0, 1)]
+    assert medians(runs)["slope"] == pytest.approx(1000.0)  # +1 ms per token
+
+
+def test_peak_rss_sees_an_allocation():
+    with bench.PeakRSS(interval=0.001) as rss:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched, held long enough for a few samples, then freed
+        time.sleep(0.02)
+        del block
+    assert rss.peak_mb > 48
+
+
+# --- a real (tiny) run -------------------------------------------------------------------------------------------
+def test_run_rows_consistent(measured):
+    rows, _ = measured
+    by = {row["config"]: row for row in rows}
+    # ratio 1.0's oracle is the full cache itself: measured once
+    assert sorted(by) == ["full", "oracle", "snapkv r=0.5", "snapkv r=1", "streamingllm r=0.5", "streamingllm r=1"]
+    full, oracle = by["full"], by["oracle"]
+    assert (full["length"], oracle["length"]) == (240, 120)
+    for name in ("snapkv r=0.5", "streamingllm r=0.5"):
+        row = by[name]
+        assert len(row["curve"]) == 5  # exactly max_new_tokens - 1 decoding steps
+        assert row["decode_vs_oracle"] == pytest.approx(row["decode_ms"] / oracle["decode_ms"])
+        assert row["decode_vs_full"] == pytest.approx(row["decode_ms"] / full["decode_ms"])
+        assert row["kv_vs_full"] == pytest.approx(row["kv_mb"] / full["kv_mb"])
+        assert row["resident"] < full["resident"] and row["attended"] <= row["resident"]
+    # the final cache: prompt + generated tokens (the last one is never fed back)
+    assert full["resident"] == 240 + 5 and oracle["resident"] == 120 + 5
+    assert by["streamingllm r=0.5"]["resident"] == 120  # held at its budget while decoding
+    assert by["snapkv r=0.5"]["resident"] == 120 + 5  # grows by the generated tokens
+    assert by["snapkv r=1"]["decode_vs_oracle"] == pytest.approx(by["snapkv r=1"]["decode_vs_full"])
+
+
+def test_plot_and_json_written(measured):
+    rows, out = measured
+    assert (out / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((out / "rows.json").read_text())
+    assert saved["max_new_tokens"] == 6 and saved["repeats"] == 2
+    assert [r["config"] for r in saved["rows"]] == [r["config"] for r in rows]
+    assert statistics.median(saved["rows"][0]["curve"]) > 0
+
+
+# --- bad inputs --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(presses=["nope"]), "known presses: full, snapkv, h2o, streamingllm"),
+        (dict(lengths=[600]), "exceeds the model's context (512 tokens)"),
+        (dict(budgets=[300]), "--budgets: 300 exceeds the 200-token prompt"),
+        (dict(budgets=[16]), "must be at least window_size=32"),
+        (dict(ratios=[0.1]), "keeps 20 tokens of a 200-token prompt, fewer than the 32"),  # at the warm-up
+        (dict(ratios=[1.5]), "--ratios: each must be in (0, 1]"),
+        (dict(max_new_tokens=1), "--max-new-tokens: at least 2"),
+        (dict(repeats=0), "--repeats: at least 1"),
+        (dict(presses=["full"]), "at least one press other than full"),
+        (dict(plot="/nonexistent/dir/x.png"), "--plot: the folder"),
+        (dict(plot="lat.svg"), "must be a .png file"),
+    ],
+)
+def test_bad_inputs_raise(model, tokenizer, kwargs, message):
+    args = dict(lengths=[200], presses=["snapkv"], ratios=[0.5], max_new_tokens=4, repeats=1)
+    if "budgets" in kwargs:
+        args["ratios"] = None
+    with pytest.raises(ValueError) as err:
+        run_bench(model, tokenizer, **{**args, **kwargs})
+    assert message in str(err.value)
+
+
+def test_command_line(model_dir, tmp_path, capsys):
+    plot = tmp_path / "lat.png"
+    assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", "h2o", "--budgets", "40",
+                 "--max-new-tokens", "3", "--repeats", "1", "--plot", str(plot), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "decode/oracle" in out and "h2o b=40" in out and plot.exists()
+    for argv, message in [
+        (["--presses", "snapkv,bogus"], "unknown press 'bogus'; known presses"),
+        (["--lengths", "5000"], "exceeds the model's context"),
+        (["--ratios", "0"], "must be in (0, 1]"),
+        (["--ratios", "0.5", "--budgets", "10"], "not allowed with argument"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--model", str(model_dir), "--lengths", "100", *argv])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

@@ -1,0 +1,386 @@
+"""`sparsekv eval` and `sparsekv report`: task generators, scoring, the sweep (resume, process split), report.
+
+Everything runs offline on a byte-level BPE tokenizer trained in memory and tiny random models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from sparsekv.cli import main
+from sparsekv.evaluation import TASKS, EvalConfig, Evaluator, Sample, encode, format_report, load_results, plot
+from sparsekv.evaluation import hub, runner
+from sparsekv.evaluation.scoring import aggregate, score
+from sparsekv.evaluation.tasks import read_haystack
+from sparsekv.evaluation.words import WORDS
+from sparsekv.niah import INTRO, NOISE
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A small byte-level BPE, trained in memory on the tasks' words, with a chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [" ".join(WORDS), " ".join(NOISE), INTRO, " ".join(str(i) for i in range(100))] * 3
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return make_model("llama", "sdpa", vocab_size=len(tokenizer), max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, model, tokenizer):
+    """The tiny model and tokenizer saved as a local model folder, for the command line."""
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def config(tmp_path, **overrides) -> EvalConfig:
+    base = dict(model="tiny", tasks=["niah_single"], presses=["snapkv", "h2o"], ratios=[0.5], lengths=[200],
+                samples=3, mode="question", out=str(tmp_path / "results"), max_new_tokens=3)
+    return EvalConfig(**{**base, **overrides})
+
+
+# --- task generators -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [400, 1500])
+def test_length_within_two_percent(tokenizer, task, length):
+    sample = TASKS[task].make(tokenizer, length, seed=3, depth=0.4)
+    assert abs(len(encode(tokenizer, sample)) - length) <= 0.02 * length
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_seeds_are_deterministic(tokenizer, task):
+    make = TASKS[task].make
+    assert make(tokenizer, 500, seed=1, depth=0.5) == make(tokenizer, 500, seed=1, depth=0.5)
+    assert make(tokenizer, 500, seed=1, depth=0.5) != make(tokenizer, 500, seed=2, depth=0.5)
+
+
+@pytest.mark.parametrize("task", ["niah_single", "passkey"])
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_needle_once_at_its_depth(tokenizer, task, depth):
+    sample = TASKS[task].make(tokenizer, 800, seed=0, depth=depth)
+    needle = re.search(r"One of the special magic numbers for \w+ is: \d+\.|The pass key is \d+\. Remember it\.",
+                       sample.context).group(0)
+    assert sample.context.count(needle) == 1
+    haystack = sample.context.split("\n", 1)[1]
+    assert abs(haystack.index(needle) / (len(haystack) - len(needle)) - depth) < 0.05
+    assert sample.answers[0] in needle
+
+
+@pytest.mark.parametrize("task", [t for t in TASKS if t.startswith("niah") or t == "passkey"])
+def test_needle_answers_are_in_the_context(tokenizer, task):
+    sample = TASKS[task].make(tokenizer, 600, seed=5, depth=0.3)
+    assert sample.answers and all(sample.context.count(a) == (2 if task == "passkey" else 1) for a in sample.answers)
+    assert len(set(sample.answers)) == len(sample.answers)
+    n_needles = sample.context.count("special magic numbers for")
+    assert n_needles == {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 4, "niah_multiquery": 4,
+                         "passkey": 0}[task]
+
+
+def test_variable_tracking_chain_is_recoverable(tokenizer):
+    sample = TASKS["variable_tracking"].make(tokenizer, 600, seed=2, depth=0.2)
+    value = re.search(r"value (\d+)", sample.question).group(1)
+    links = dict(re.findall(r"VAR (\w+) = (?:VAR )?(\w+)\.", sample.context))
+    holding = {v for v in links if links[v] == value}
+    while True:  # follow the chain from the value
+        more = {v for v, src in links.items() if src in holding} - holding
+        if not more:
+            break
+        holding |= more
+    assert holding == set(sample.answers) and len(sample.answers) == 5
+
+
+@pytest.mark.parametrize("task, top", [("common_words", 10), ("frequent_words", 3)])
+def test_word_tasks_answers_are_the_most_frequent(tokenizer, task, top):
+    sample = TASKS[task].make(tokenizer, 1500, seed=4)
+    words = re.findall(r"(?:\d+\. )?([a-z-]+)", sample.context.split("\n", 1)[1])
+    counts = {w: words.count(w) for w in set(words)}
+    ranked = sorted(counts.values(), reverse=True)
+    assert len(sample.answers) == top
+    assert min(counts[a] for a in sample.answers) > ranked[top]  # strictly more frequent than any other word
+
+
+def test_user_haystack(tokenizer, tmp_path):
+    path = tmp_path / "essay.txt"
+    path.write_text("Rivers carve valleys over long ages. Wind shapes the dunes!\n\nRain falls on the hills? Yes.")
+    sentences = read_haystack(path)
+    assert sentences[:2] == ["Rivers carve valleys over long ages.", "Wind shapes the dunes!"]
+    sample = TASKS["niah_single"].make(tokenizer, 500, seed=0, depth=0.5, haystack=sentences)
+    assert "Wind shapes the dunes!" in sample.context and "The grass is green." not in sample.context
+    assert sample.context.count(sample.answers[0]) == 1
+
+
+def test_prompt_split_is_the_chat_template(tokenizer):
+    sample = Sample("Some context here.", "What is it?", ["x"], "all", "It is")
+    prompt = encode(tokenizer, sample)
+    expected = "<|user|>\nSome context here.\nWhat is it?</s>\n<|assistant|>\nIt is"
+    assert tokenizer.decode(prompt.ids[0]) == expected
+    assert tokenizer.decode(prompt.context_ids[0]) == "<|user|>\nSome context here."
+    assert len(prompt) == prompt.ids.shape[1]
+
+
+# --- scoring ---------------------------------------------------------------------------------------------------
+def test_scoring_follows_ruler():
+    assert score(" 1234567.", ["1234567"], "all") == 1.0
+    assert score("The numbers are 11 and 33", ["11", "22", "33", "44"], "all") == 0.5
+    assert score("Paris, FRANCE", ["london", "france"], "any") == 1.0
+    assert score("nothing", ["london", "france"], "any") == 0.0
+    assert score("ab\x00cd", ["ab\ncd"], "all") == 1.0  # control characters become newlines
+    assert aggregate([1.0, 0.5, 0.0, 0.5]) == 50.0 and aggregate([]) == 0.0
+    with pytest.raises(ValueError, match="metric"):
+        score("x", ["x"], "exact")
+
+
+# --- the sweep -------------------------------------------------------------------------------------------------
+def read_predictions(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_sweep_writes_config_predictions_metrics(tmp_path, model, tokenizer):
+    results = Evaluator(config(tmp_path, mode="both"), model, tokenizer).run_all()
+    names = sorted(f"{m['press']}_{m['mode']}" for m in results)
+    assert names == ["full_question", "h2o_agnostic", "h2o_question", "snapkv_agnostic", "snapkv_question"]
+    run = tmp_path / "results" / "tiny" / "niah_single" / "snapkv_0.5_200_agnostic"
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.json", "predictions.jsonl"]
+    predictions = read_predictions(run)
+    assert [p["index"] for p in predictions] == [0, 1, 2]
+    assert [p["depth"] for p in predictions] == [0.0, 0.5, 1.0]  # depth swept evenly
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["samples"] == 3 and metrics["kv_fraction"] == 0.5 and 0 <= metrics["score"] <= 100
+    assert json.loads((run / "config.json").read_text())["mode"] == "agnostic"
+
+
+def test_agnostic_equals_question_mode_without_compression(tmp_path, model, tokenizer):
+    cfg = config(tmp_path, presses=["snapkv"], ratios=[1.0], mode="both", full=False, max_new_tokens=6)
+    Evaluator(cfg, model, tokenizer).run_all()
+    root = tmp_path / "results" / "tiny" / "niah_single"
+    question, agnostic = (read_predictions(root / f"snapkv_1_200_{m}") for m in ("question", "agnostic"))
+    assert [p["prediction"] for p in question] == [p["prediction"] for p in agnostic]
+
+
+def test_resume_skips_finished_runs_and_answered_samples(tmp_path, model, tokenizer, monkeypatch):
+    cfg = config(tmp_path, presses=["snapkv"], samples=4)
+    Evaluator(cfg, model, tokenizer).run_all()
+    run = tmp_path / "results" / "tiny" / "niah_single" / "snapkv_0.5_200_question"
+    before = read_predictions(run)
+    # Interrupt the run after two samples: its metrics are gone and only a shard with two predictions is left.
+    (run / "metrics.json").unlink()
+    (run / "predictions.jsonl").unlink()
+    cut_short = '{"index": 3, "tru'
+    (run / "predictions.rank0.jsonl").write_text("".join(json.dumps(p) + "\n" for p in before[:2]) + cut_short)
+    answered = []
+    real_answer = runner.answer
+    monkeypatch.setattr(runner, "answer", lambda *a, **k: answered.append(a[3]) or real_answer(*a, **k))
+    Evaluator(cfg, model, tokenizer).run_all()
+    assert len(answered) == 2  # only samples 2 and 3 of the interrupted run; the full-cache run is skipped
+    assert read_predictions(run) == before and not list(run.glob("predictions.rank*"))
+    Evaluator(cfg, model, tokenizer).run_all()
+    assert len(answered) == 2
+
+
+def test_resume_refuses_other_settings(tmp_path, model, tokenizer):
+    Evaluator(config(tmp_path, presses=["snapkv"]), model, tokenizer).run_all()
+    run = tmp_path / "results" / "tiny" / "niah_single" / "snapkv_0.5_200_question"
+    (run / "metrics.json").unlink()
+    with pytest.raises(ValueError, match="other settings.*samples: 3 -> 5"):
+        Evaluator(config(tmp_path, presses=["snapkv"], samples=5), model, tokenizer).run_all()
+
+
+class FakeState:
+    """accelerate.PartialState for process `index` of `count`, run one after the other."""
+
+    def __init__(self, index, count):
+        self.process_index, self.num_processes, self.is_main_process = index, count, index == 0
+
+    def wait_for_everyone(self):
+        pass
+
+    def split_between_processes(self, items):
+        from contextlib import nullcontext
+
+        share = -(-len(items) // self.num_processes)
+        return nullcontext(items[self.process_index * share : (self.process_index + 1) * share])
+
+
+def test_samples_split_between_processes_and_merged(tmp_path, model, tokenizer):
+    single = Evaluator(config(tmp_path / "one", samples=5), model, tokenizer).run_all()
+    cfg = config(tmp_path / "two", samples=5)
+    assert Evaluator(cfg, model, tokenizer, FakeState(1, 2)).run_all() == []  # rank 1: shards only
+    run = tmp_path / "two" / "results" / "tiny" / "niah_single" / "h2o_0.5_200_question"
+    assert [p["index"] for p in read_shard(run / "predictions.rank1.jsonl")] == [3, 4]
+    merged = Evaluator(cfg, model, tokenizer, FakeState(0, 2)).run_all()  # rank 0: its share, then the merge
+    assert [p["process"] for p in read_predictions(run)] == [0, 0, 0, 1, 1]
+    assert not list(run.glob("predictions.rank*"))
+    assert [(m["press"], m["score"]) for m in merged] == [(m["press"], m["score"]) for m in single]
+
+
+def read_shard(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_press_errors_are_recorded_not_raised(tmp_path, model, tokenizer):
+    # A budget of 16 is below SnapKV's 32-token window (the press cannot be built); 500 exceeds the prompt.
+    results = Evaluator(config(tmp_path, presses=["snapkv", "h2o"], budgets=[16, 500], full=False), model,
+                        tokenizer).run_all()
+    by_run = {(m["press"], m["budget"]): m for m in results}
+    assert by_run[("snapkv", 16)]["errors"] == 3 and by_run[("snapkv", 16)]["score"] == 0
+    assert by_run[("h2o", 500)]["errors"] == 3
+    assert by_run[("h2o", 16)]["errors"] == 0
+    run = tmp_path / "results" / "tiny" / "niah_single" / "h2o_b500_200_question"
+    assert "larger than the prompt" in read_predictions(run)[0]["error"]
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+def synthetic_results(root: Path) -> None:
+    def write(task, press, ratio, mode, score):
+        run = root / "m" / task / f"{press}_{ratio}_1000_{mode}"
+        run.mkdir(parents=True)
+        metrics = dict(model="m", task=task, press=press, ratio=ratio, budget=None, length=1000, mode=mode,
+                       samples=2, score=score, errors=0, kv_fraction=ratio, prompt_tokens=1000)
+        (run / "metrics.json").write_text(json.dumps(metrics))
+
+    for task, base in (("niah_single", 100.0), ("passkey", 90.0)):
+        write(task, "full", 1.0, "question", base)
+        for ratio in (0.5, 0.1):
+            for mode in ("question", "agnostic"):
+                write(task, "snapkv", ratio, mode, base * ratio)
+
+
+def test_report_table_and_plot(tmp_path):
+    synthetic_results(tmp_path)
+    table = format_report(load_results(tmp_path))
+    lines = table.splitlines()
+    assert lines[0].split() == ["model", "length", "mode", "press", "kept", "KV", "kept", "niah_single", "passkey",
+                                "mean", "errors"]
+    assert lines[2].split() == ["m", "1000", "-", "full", "1", "1.00", "100.0", "90.0", "95.0", "0"]
+    assert lines[3].split() == ["m", "1000", "question", "snapkv", "0.5", "0.50", "50.0", "45.0", "47.5", "0"]
+    assert len(lines) == 2 + 5
+    path = plot(load_results(tmp_path), tmp_path / "acc.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_command(tmp_path, capsys):
+    synthetic_results(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "snapkv" in out and (tmp_path / "accuracy.png").exists()
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path / "m" / "passkey" / "nothing")])
+    assert "RESULTS_DIR" in capsys.readouterr().err
+
+
+# --- end to end and bad input ----------------------------------------------------------------------------------
+def test_eval_command_end_to_end(tmp_path, model_dir, capsys):
+    out = tmp_path / "results"
+    args = ["eval", "--model", str(model_dir), "--tasks", "niah_single,passkey", "--presses", "snapkv,streamingllm",
+            "--ratios", "0.5", "--lengths", "200", "--samples", "2", "--mode", "both", "--max-new-tokens", "3",
+            "--out", str(out)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "streamingllm" in table and "passkey" in table
+    assert len(list(out.rglob("metrics.json"))) == 2 * (1 + 2 * 2)
+    assert main(["report", str(out), "--plot", str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "niah_single,haystack"], "--tasks: unknown task 'haystack'; local tasks: niah_single"),
+    (["--presses", "snapkv,pyramid"], "--presses: unknown press 'pyramid'; known presses: full, snapkv"),
+    (["--model", "smollm3"], "--model: unknown model 'smollm3'; aliases: smollm2-135m, qwen2.5-0.5b"),
+    (["--lengths", "9000"], "--lengths: 9000 exceeds the context of smollm2-135m"),
+    (["--haystack", "/nonexistent/essay.txt"], "--haystack: cannot read"),
+    (["--ratios", "1.5"], "--ratios: .*must be in"),
+    (["--mode", "sideways"], "--mode: invalid choice"),
+])
+def test_bad_command_line_input(args, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["eval", "--out", str(tmp_path), *args])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_length_beyond_the_model_context(tmp_path, model, tokenizer):
+    with pytest.raises(ValueError, match=r"--lengths: 1022 tokens \+ 3 generated exceeds the model's context \(1024"):
+        Evaluator(config(tmp_path, lengths=[1022]), model, tokenizer)
+
+
+def test_unreadable_haystack(tmp_path, model, tokenizer):
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
+    with pytest.raises(ValueError, match="--haystack: cannot read"):
+        Evaluator(config(tmp_path, haystack=str(binary)), model, tokenizer)
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="has no text"):
+        read_haystack(tmp_path / "empty.txt")
+
+
+def test_length_too_short_for_a_task(tokenizer):
+    with pytest.raises(ValueError, match="--lengths: 40 tokens is too short for task 'niah_single'"):
+        TASKS["niah_single"].make(tokenizer, 40)
+
+
+# --- Hub loaders (offline: the Hub is faked) --------------------------------------------------------------------
+def test_hub_task_skipped_with_a_message_when_offline(tmp_path, model, tokenizer, monkeypatch, capsys):
+    def offline(*args):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(hub, "_rows", offline)
+    results = Evaluator(config(tmp_path, tasks=["ruler:niah_single_1", "niah_single"]), model, tokenizer).run_all()
+    assert {m["task"] for m in results} == {"niah_single"}
+    assert "skipping ruler:niah_single_1: cannot load it from the Hugging Face Hub" in capsys.readouterr().err
+
+
+def test_hub_rows_become_samples(tmp_path, model, tokenizer, monkeypatch):
+    rows = [{"context": "The sky is blue. " * n, "question": "What color is the sky?", "answer_prefix": "It is",
+             "answer": ["blue"], "task": "qa_1", "max_new_tokens": 5} for n in (2, 500, 3)]
+    monkeypatch.setattr(hub, "_rows", lambda *args: rows)
+    samples, new_tokens = hub.load_hub_task("ruler:qa_1", 200, 5, tokenizer)
+    assert len(samples) == 2 and new_tokens == 5  # the 500-sentence row does not fit in 200 tokens
+    assert samples[0].metric == "any" and samples[0].answers == ["blue"]
+    results = Evaluator(config(tmp_path, tasks=["ruler:qa_1"], max_new_tokens=None), model, tokenizer).run_all()
+    assert results[0]["samples"] == 2 and results[0]["max_new_tokens"] == 5
+    assert hub.is_hub_task("longbench:hotpotqa") and not hub.is_hub_task("ruler:")
+
+
+# --- accelerate: two real CPU processes ------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("accelerate", path=os.path.dirname(sys.executable)) is None,
+                    reason="accelerate launcher not installed")
+def test_accelerate_launch_two_processes(tmp_path, model_dir):
+    out = tmp_path / "results"
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    # On CPU, `--multi_gpu` is what starts several processes (torchrun); `--cpu` alone starts one (it expects MPI).
+    cmd = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "sparsekv", "eval", "--model", str(model_dir), "--tasks", "passkey",
+           "--presses", "snapkv", "--ratios", "0.5", "--lengths", "200", "--samples", "4", "--max-new-tokens", "2",
+           "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = out / "tiny" / "passkey" / "snapkv_0.5_200_question"
+    assert [p["process"] for p in read_predictions(run)] == [0, 0, 1, 1]
+    assert json.loads((run / "metrics.json").read_text())["samples"] == 4
