@@ -7,6 +7,7 @@ with the parsed arguments. Add a command (e.g. `bench`) by adding an entry.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable
 
 
@@ -164,14 +165,25 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_args(parser: argparse.ArgumentParser) -> None:
+    from .bench import add_arguments  # imported when used: it pulls in the benchmark's dependencies
+
+    add_arguments(parser)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import run_command
+
+    return run_command(args)
+
+
 # name -> (help, add arguments, run)
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "demo": ("needle-in-a-haystack demo: full cache vs each press", _demo_args, _demo),
     "eval": ("RULER-style long-context evaluation: tasks x presses x ratios x lengths", _eval_args, _eval),
     "report": ("table and plot of the results of sparsekv eval", _report_args, _report),
     "bench": ("prefill and decode latency, memory and KV: presses vs the full cache and the oracle",
-              lambda parser: __import__("sparsekv.bench").bench.add_arguments(parser),
-              lambda args: __import__("sparsekv.bench").bench.run_command(args)),
+              _bench_args, _bench),
 }
 
 
@@ -187,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: `sys.argv[1:]`) and run the command; returns the exit code."""
+    from .models import ModelFetchError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except ModelFetchError as err:  # e.g. the package index is unreachable: the message says what to do
+        print(f"sparsekv: {err}", file=sys.stderr)
+        return 1

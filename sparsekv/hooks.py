@@ -89,6 +89,7 @@ def _before_model(press, model, module, args, kwargs):
     return args, kwargs
 
 
+@torch.no_grad()
 def _after_model(module, args, kwargs, output):
     cache = getattr(output, "past_key_values", None)
     logits = getattr(output, "logits", None)

@@ -78,3 +78,11 @@ def greedy(model, ids, mask=None, new=8, **kwargs):
         ids, attention_mask=mask if mask is not None else torch.ones_like(ids), max_new_tokens=new,
         do_sample=False, pad_token_id=0, **kwargs,
     )
+
+
+def save_model_dir(tmp_path_factory, model, tokenizer):
+    """A tiny model and its tokenizer saved as a local model folder, for the command line."""
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, save_model_dir
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -40,10 +40,7 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, model, tokenizer):
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_model_dir(tmp_path_factory, model, tokenizer)
 
 
 @pytest.fixture(scope="module")

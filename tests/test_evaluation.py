@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_model
+from conftest import make_model, save_model_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -54,11 +54,7 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, model, tokenizer):
-    """The tiny model and tokenizer saved as a local model folder, for the command line."""
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_model_dir(tmp_path_factory, model, tokenizer)
 
 
 def config(tmp_path, **overrides) -> EvalConfig:
