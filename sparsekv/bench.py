@@ -25,7 +25,6 @@ import json
 import math
 import statistics
 import threading
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +32,9 @@ from pathlib import Path
 import psutil
 import torch
 from tqdm.auto import tqdm
-from transformers import LogitsProcessorList
 
 from .cache import SparseCache
-from .demo import StepClock, cache_footprint, format_table
+from .demo import cache_footprint, format_table, timed_generate
 from .evaluation.presses import PRESSES, make_press
 from .niah import build_needle_prompt
 
@@ -169,15 +167,6 @@ def _release_memory() -> None:
         pass
 
 
-class SyncedStepClock(StepClock):
-    """`StepClock` that waits for the GPU first, so that each stamp is taken when the forward is done."""
-
-    def __call__(self, input_ids, scores):
-        if scores.is_cuda:
-            torch.cuda.synchronize(scores.device)
-        return super().__call__(input_ids, scores)
-
-
 def step_latencies(stamps: list[float]) -> list[float]:
     """Milliseconds of each decoding step from the per-step time stamps (seconds): one fewer than the stamps."""
     return [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
@@ -195,15 +184,6 @@ def running_median(values: list[float], window: int = 16) -> list[float]:
     return [statistics.median(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def kv_footprint(cache) -> tuple[float, float, int]:
-    """`(resident tokens, attended tokens, KV bytes)`: tokens per sequence, mean over layers."""
-    if isinstance(cache, SparseCache):
-        stats = cache.stats()
-        return statistics.mean(stats.resident_tokens), statistics.mean(stats.attended_tokens), stats.kv_bytes
-    resident, kv_bytes = cache_footprint(cache)  # the full cache attends everything it holds
-    return resident, resident, kv_bytes
-
-
 def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=None) -> dict:
     """One greedy generation of exactly `max_new_tokens` tokens with `press` (None: full cache).
 
@@ -215,16 +195,10 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
     if cuda:
         torch.cuda.reset_peak_memory_stats(ids.device)
         gpu_base = torch.cuda.memory_allocated(ids.device)
-    clock = SyncedStepClock()
     with PeakRSS() as rss, press(model) if press is not None else nullcontext():
-        start = time.perf_counter()
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, return_dict_in_generate=True, logits_processor=LogitsProcessorList([clock]),
-            pad_token_id=pad_token_id,
-        )
-    stamps = [t - start for t in clock.stamps]
-    resident, attended, kv_bytes = kv_footprint(out.past_key_values)
+        out, _, stamps = timed_generate(model, ids, max_new_tokens, min_new_tokens=max_new_tokens,
+                                        pad_token_id=pad_token_id)
+    resident, attended, kv_bytes = cache_footprint(out.past_key_values)
     return {
         "prefill_s": stamps[0],
         "steps_ms": step_latencies(stamps),

@@ -31,23 +31,28 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join([header, "-" * len(header), *(line(c) for c in cells)])
 
 
-def cache_footprint(cache) -> tuple[float, int]:
-    """`(mean resident KV tokens per layer, KV bytes)` of a `SparseCache` or a transformers `DynamicCache`."""
+def cache_footprint(cache) -> tuple[float, float, int]:
+    """`(resident tokens, attended tokens, KV bytes)` of a `SparseCache` or a transformers `DynamicCache`:
+    tokens per sequence, mean over layers (a full cache attends everything it holds)."""
     if isinstance(cache, SparseCache):
         stats = cache.stats()
-        return sum(stats.resident_tokens) / len(stats.resident_tokens), stats.kv_bytes
+        n = len(stats.resident_tokens)
+        return sum(stats.resident_tokens) / n, sum(stats.attended_tokens) / n, stats.kv_bytes
     layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
     tokens = sum(layer.keys.shape[-2] for layer in layers) / max(len(layers), 1)
-    return tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    return tokens, tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
 
 
 class StepClock(LogitsProcessor):
-    """Records `time.perf_counter()` each time generate scores a next token, i.e. after every forward."""
+    """Records `time.perf_counter()` each time generate scores a next token, i.e. after every forward
+    (on a GPU, once the forward is done)."""
 
     def __init__(self):
         self.stamps: list[float] = []
 
     def __call__(self, input_ids, scores):
+        if scores.is_cuda:
+            torch.cuda.synchronize(scores.device)
         self.stamps.append(time.perf_counter())
         return scores
 
@@ -111,7 +116,7 @@ def run_demo(
         out, total, stamps = generate(max_new_tokens)
         new_tokens = out.sequences.shape[1] - n_prompt
         text = " ".join(tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True).split())
-        resident, kv_bytes = cache_footprint(out.past_key_values)
+        resident, _, kv_bytes = cache_footprint(out.past_key_values)
         rows.append({
             "press": name,
             "answer": text if len(text) <= 30 else text[:27] + "...",
