@@ -18,7 +18,8 @@ from transformers import PreTrainedTokenizerFast
 from sparsekv import bench
 from sparsekv.bench import Setting, medians, plan, run_bench, slope_per_1k, step_latencies, summarize
 from sparsekv.cli import main
-from sparsekv.niah import INTRO, KEYS, NOISE
+from sparsekv.evaluation.tasks import INTRO, NOISE
+from sparsekv.evaluation.words import WORDS as KEYS
 
 
 @pytest.fixture(scope="module")

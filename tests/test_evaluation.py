@@ -24,7 +24,7 @@ from sparsekv.evaluation import hub, runner
 from sparsekv.evaluation.scoring import aggregate, score
 from sparsekv.evaluation.tasks import read_haystack
 from sparsekv.evaluation.words import WORDS
-from sparsekv.niah import INTRO, NOISE
+from sparsekv.evaluation.tasks import INTRO, NOISE
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"

@@ -11,7 +11,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from ..demo import format_table
+from ..table import format_table
 
 
 def load_results(directory: str | Path) -> list[dict]:

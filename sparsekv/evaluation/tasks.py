@@ -19,12 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..niah import INTRO, NOISE
 from .prompts import Sample, encode
 from .words import WORDS
 
 __all__ = ["TASKS", "Sample", "Task", "fit_length", "read_haystack"]
 
+# RULER's noise haystack and instructions.
+NOISE = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."]
+INTRO = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards."
+)
 NUMBER_NEEDLE = "One of the special magic numbers for {key} is: {value}."
 
 
