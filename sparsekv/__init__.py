@@ -7,12 +7,14 @@
 
 from .cache import CacheStats, KVLayer, SparseCache
 from .press import Press, ScorerPress
-from .presses import H2OPress, SnapKVPress, StreamingLLMPress
+from .presses import ChunkKVPress, ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CacheStats",
+    "ChunkKVPress",
+    "ChunkPress",
     "H2OPress",
     "KVLayer",
     "Press",

@@ -189,7 +189,8 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
     """One greedy generation of exactly `max_new_tokens` tokens with `press` (None: full cache).
 
     Returns prefill seconds, the decode latency of every step (ms), peak memory above the pre-run level (MB;
-    CUDA: None off the GPU) and the final cache's resident and attended tokens and KV bytes.
+    CUDA: None off the GPU), the final cache's resident and attended tokens and KV bytes, and the press's own
+    work from `cache.seconds`: seconds compressing the prompt, and ms per decoding step (None without a press).
     """
     _release_memory()
     cuda = ids.is_cuda
@@ -200,9 +201,13 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
         out, _, stamps = timed_generate(model, ids, max_new_tokens, min_new_tokens=max_new_tokens,
                                         pad_token_id=pad_token_id)
     resident, attended, kv_bytes = cache_footprint(out.past_key_values)
+    steps = step_latencies(stamps)
+    seconds = dict(getattr(out.past_key_values, "seconds", {}))  # press work, a SparseCache only
     return {
         "prefill_s": stamps[0],
-        "steps_ms": step_latencies(stamps),
+        "steps_ms": steps,
+        "compress_s": seconds.pop("compress", None),
+        "press_ms": sum(seconds.values()) * 1000 / max(len(steps), 1) if press is not None else None,
         "peak_mb": rss.peak_mb,
         "cuda_peak_mb": (torch.cuda.max_memory_allocated(ids.device) - gpu_base) / 2**20 if cuda else None,
         "resident": resident,
@@ -227,7 +232,9 @@ def medians(runs: list[dict]) -> dict:
     curve = [statistics.median(step) for step in zip(*(r["steps_ms"] for r in runs))]
     return {
         "prefill_s": _median(r["prefill_s"] for r in runs),
+        "compress_s": _median(r.get("compress_s") for r in runs),
         "decode_ms": _median(statistics.median(r["steps_ms"]) for r in runs),
+        "press_ms": _median(r.get("press_ms") for r in runs),
         "slope": slope_per_1k(curve),
         "peak_mb": _median(r["peak_mb"] for r in runs),
         "cuda_peak_mb": _median(r["cuda_peak_mb"] for r in runs),
@@ -261,7 +268,7 @@ def format_rows(rows: list[dict]) -> str:
     columns = [
         ("config", "config", ""), ("length", "length", "d"),
         ("prefill s", "prefill_s", ".3f"), ("prefill/full", "prefill_vs_full", ".2f"),
-        ("decode ms/tok", "decode_ms", ".2f"), ("decode/full", "decode_vs_full", ".2f"),
+        ("compress s", "compress_s", ".3f"), ("decode ms/tok", "decode_ms", ".2f"), ("press ms/tok", "press_ms", ".2f"), ("decode/full", "decode_vs_full", ".2f"),
         ("decode/oracle", "decode_vs_oracle", ".2f"), ("slope ms/1k tok", "slope", ".2f"),
         ("peak MB", "peak_mb", ".1f"), ("GPU peak MB", "cuda_peak_mb", ".1f"),
         ("resident tok", "resident", ".0f"), ("attended tok", "attended", ".0f"),
@@ -350,9 +357,10 @@ def add_arguments(parser) -> None:
     add("--model", default="smollm2-135m",
         help="alias (smollm2-135m, qwen2.5-0.5b), .gguf file, model folder or Hub id (default: %(default)s)")
     add("--lengths", type=_csv(_int_at_least(1)), default=[8000], help="prompt lengths in tokens (default: 8000)")
-    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm"],
+    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm", "chunkkv"],
         help=f"comma-separated, of: {', '.join(p for p in PRESSES if p != 'full')} (default: snapkv,h2o,"
-        "streamingllm; the full cache and each press's oracle are always measured)")
+        "streamingllm,chunkkv; the full cache and each press's oracle are always measured); options after the "
+        "name: chunkkv:reuse_layers=1")
     kept = parser.add_mutually_exclusive_group()
     kept.add_argument("--ratios", type=_csv(_fraction(zero_allowed=False)),
                       help="fractions of the prompt's KV kept, each in (0, 1] (default: 0.1)")

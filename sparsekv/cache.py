@@ -162,6 +162,8 @@ class CacheStats:
         kv_bytes: bytes of keys and values held, all layers.
         bytes_by_device: bytes of every tensor the cache holds (KV and bookkeeping), by device.
         seconds: time spent in press work, by kind (e.g. "compress", "step").
+        layer_jaccard: per pair of adjacent compressed layers, the Jaccard similarity of the prompt tokens they
+            keep (per row and KV head, averaged): how alike neighbouring layers' selections are.
     """
 
     logical_tokens: int
@@ -170,6 +172,7 @@ class CacheStats:
     kv_bytes: int
     bytes_by_device: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
+    layer_jaccard: list[float] = field(default_factory=list)
 
     @property
     def kv_fraction(self) -> float:
@@ -251,4 +254,23 @@ class SparseCache(Cache):
             kv_bytes=kv,
             bytes_by_device=dict(by_device),
             seconds=dict(self.seconds),
+            layer_jaccard=self.layer_jaccard(),
         )
+
+    def layer_jaccard(self) -> list[float]:
+        """Jaccard similarity of the prompt tokens kept by each pair of adjacent compressed layers."""
+        if self.prompt_lengths is None:
+            return []
+        width = int(self.prompt_start[0] + self.prompt_lengths[0])  # the prompt's padded length
+        kept = []
+        for layer in self.layers:
+            if not isinstance(layer, KVLayer) or not layer.is_initialized:
+                continue
+            inside = (layer.positions < width) & layer.valid[:, None, :]
+            mask = torch.zeros(*layer.positions.shape[:2], width + 1, dtype=torch.bool, device=layer.positions.device)
+            kept.append(mask.scatter_(-1, layer.positions.where(inside, width), True)[..., :width])
+        pairs = []
+        for a, b in zip(kept, kept[1:]):
+            union = (a | b).sum(-1).clamp(min=1)
+            pairs.append(float(((a & b).sum(-1) / union).mean()))
+        return pairs

@@ -89,9 +89,9 @@ def _eval_args(parser: argparse.ArgumentParser) -> None:
     add("--tasks", type=_csv(str), default=list(TASKS),
         help=f"comma-separated: {', '.join(TASKS)}, or ruler:<task> / longbench:<task> from the Hub "
         "(default: every local task)")
-    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm"],
-        help=f"comma-separated, of: {', '.join(PRESSES)} (default: snapkv,h2o,streamingllm; the full cache "
-        "is added unless --no-full)")
+    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm", "chunkkv"],
+        help=f"comma-separated, of: {', '.join(PRESSES)} (default: snapkv,h2o,streamingllm,chunkkv; the full "
+        "cache is added unless --no-full); options after the name: chunkkv:reuse_layers=1")
     kept = parser.add_mutually_exclusive_group()
     kept.add_argument("--ratios", type=_csv(_fraction(zero_allowed=False)), default=[0.5, 0.25, 0.1],
                       help="fractions of the KV kept, each in (0, 1] (default: 0.5,0.25,0.1)")

@@ -11,12 +11,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from . import H2OPress, SnapKVPress, StreamingLLMPress
+from . import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
 from .cache import SparseCache
 from .niah import build_needle_prompt, score_answer
 from .table import format_table
 
-PRESSES = {"SnapKV": SnapKVPress, "H2O": H2OPress, "StreamingLLM": StreamingLLMPress}
+PRESSES = {"SnapKV": SnapKVPress, "H2O": H2OPress, "StreamingLLM": StreamingLLMPress, "ChunkKV": ChunkPress}
 
 
 def cache_footprint(cache) -> tuple[float, float, int]:

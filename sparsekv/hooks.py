@@ -113,8 +113,8 @@ def _before_attention(module, args, kwargs):
     if cache is None:
         return None
     layer = cache.layers[module.layer_idx]
-    if cache.press.selects_before_attention:
-        cache.press.before_attention(cache, layer, _call(module, args, kwargs, cache))
+    if cache.press.selects_before_attention:  # skip building the call otherwise
+        press_before_attention(cache, layer, _call(module, args, kwargs, cache))
     if not layer.compressed:
         return None
     impl = module.config._attn_implementation
@@ -134,9 +134,18 @@ def _after_attention(module, args, kwargs, output):
     cache = _cache_of(kwargs)
     if cache is None:
         return
-    layer = cache.layers[module.layer_idx]
     weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-    call = _call(module, args, kwargs, cache, weights)
+    press_after_attention(cache, cache.layers[module.layer_idx], _call(module, args, kwargs, cache, weights))
+
+
+def press_before_attention(cache: SparseCache, layer, call: AttentionCall) -> None:
+    """The press's work before a layer's attention (selection presses only)."""
+    if cache.press.selects_before_attention:
+        cache.press.before_attention(cache, layer, call)
+
+
+def press_after_attention(cache: SparseCache, layer, call: AttentionCall) -> None:
+    """The press's work after a layer's attention: compress the prompt, or its per-step work, timed."""
     start = time.perf_counter()
     if layer.logical_len == call.q_len:  # first forward of this cache: the prompt
         cache.press.compress(cache, layer, call)

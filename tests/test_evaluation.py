@@ -313,11 +313,24 @@ def test_eval_command_end_to_end(tmp_path, model_dir, capsys):
     (["--haystack", "/nonexistent/essay.txt"], "--haystack: cannot read"),
     (["--ratios", "1.5"], "--ratios: .*must be in"),
     (["--mode", "sideways"], "--mode: invalid choice"),
+    (["--presses", "chunkkv:reuse_layers"], "--presses: options are key=value after the name"),
+    (["--presses", "chunkkv:reuse=1"], "--presses: 'chunkkv:reuse=1': .*unexpected keyword argument 'reuse'"),
+    (["--presses", "full:x=1"], "--presses: the full cache takes no options"),
 ])
 def test_bad_command_line_input(args, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["eval", "--out", str(tmp_path), *args])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_press_options_after_the_name():
+    from sparsekv import ChunkPress, SnapKVPress
+    from sparsekv.evaluation import make_press
+
+    assert make_press("chunkkv:reuse_layers=1:chunk_size=5", ratio=0.5) == ChunkPress(ratio=0.5, reuse_layers=1,
+                                                                                       chunk_size=5)
+    assert make_press("snapkv:pooling=avg", budget=64) == SnapKVPress(budget=64, pooling="avg")
+    assert make_press("full") is None
 
 
 def test_length_beyond_the_model_context(tmp_path, model, tokenizer):

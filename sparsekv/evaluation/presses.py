@@ -1,11 +1,15 @@
-"""The presses `sparsekv eval` knows, by name. Later presses register here: `PRESSES["name"] = PressClass`.
+"""The presses `sparsekv eval` and `sparsekv bench` know, by name. Later presses register here:
+`PRESSES["name"] = PressClass`.
 
-"full" (None) is the uncompressed cache, the reference every sweep includes.
+"full" (None) is the uncompressed cache, the reference every sweep includes. A press may be given with options
+after its name, `name:key=value[:key=value...]`, e.g. `chunkkv:reuse_layers=1` (values are Python literals).
 """
 
 from __future__ import annotations
 
-from .. import H2OPress, SnapKVPress, StreamingLLMPress
+import ast
+
+from .. import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
 from ..press import Press
 
 PRESSES: dict[str, type[Press] | None] = {
@@ -13,12 +17,37 @@ PRESSES: dict[str, type[Press] | None] = {
     "snapkv": SnapKVPress,
     "h2o": H2OPress,
     "streamingllm": StreamingLLMPress,
+    "chunkkv": ChunkPress,
 }
 
 
-def make_press(name: str, ratio: float | None = None, budget: int | None = None) -> Press | None:
-    """The press `name` keeping `ratio` of the KV (or `budget` tokens); None for "full"."""
+def parse_press(spec: str) -> tuple[str, dict]:
+    """`"name:key=value:..."` -> `(name, {key: value})`; raises ValueError for unknown names or bad options."""
+    name, *options = spec.split(":")
     if name not in PRESSES:
         raise ValueError(f"--presses: unknown press {name!r}; known presses: {', '.join(PRESSES)}.")
+    kwargs = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--presses: options are key=value after the name, e.g. chunkkv:reuse_layers=1; "
+                             f"got {option!r} in {spec!r}.")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    if kwargs and PRESSES[name] is None:
+        raise ValueError(f"--presses: the full cache takes no options; got {spec!r}.")
+    return name, kwargs
+
+
+def make_press(spec: str, ratio: float | None = None, budget: int | None = None) -> Press | None:
+    """The press `spec` (a name, with options) keeping `ratio` of the KV (or `budget` tokens); None for "full"."""
+    name, kwargs = parse_press(spec)
     cls = PRESSES[name]
-    return None if cls is None else cls(ratio=ratio, budget=budget)
+    if cls is None:
+        return None
+    try:
+        return cls(ratio=ratio, budget=budget, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"--presses: {spec!r}: {err}") from None

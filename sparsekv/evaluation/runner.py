@@ -5,8 +5,12 @@ sample in `predictions.jsonl` (reply, score, error if any), then `metrics.json`.
 exists is skipped, and samples already answered are not redone, so an interrupted sweep resumes where it stopped.
 
 Modes: "question" feeds context + question to `generate` (the press compresses both); "agnostic" compresses
-the context alone, then answers the question from a copy of the compressed cache. The full cache does not
-depend on the mode: it runs once, in "question" mode, as the reference of both.
+the context alone, then answers the question from the compressed cache. The full cache does not depend on the
+mode: it runs once, in "question" mode, as the reference of both.
+
+The runs of one task and length go sample by sample: each prompt is run through the model once
+(`sparsekv.prefill.Prefill`) and every press of the sweep compresses that recorded forward and decodes from it,
+with the same answers as `generate` under each press and one prompt forward per sample instead of one per run.
 
 Under `accelerate launch`, each process answers its share of every run's samples into its own shard
 (`predictions.rank<i>.jsonl`); process 0 merges the shards once all are done. On CPUs, start the processes with
@@ -16,11 +20,10 @@ one process, as it expects MPI) or `torchrun --nproc_per_node 2 -m sparsekv eval
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,8 +32,9 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..models import MODELS
+from ..prefill import Prefill
 from .hub import is_hub_task, load_hub_task
-from .presses import PRESSES, make_press
+from .presses import PRESSES, make_press, parse_press
 from .prompts import Prompt, Sample, encode
 from .results import check_config, merge, open_shard, read_records, write_json
 from .scoring import score
@@ -96,7 +100,7 @@ class EvalConfig:
         """Every run of the sweep, the full-cache reference first for each task and length."""
         modes = ["question", "agnostic"] if self.mode == "both" else [self.mode]
         kept = [(None, b) for b in self.budgets] if self.budgets else [(r, None) for r in self.ratios]
-        compressed = [p for p in self.presses if PRESSES[p] is not None]
+        compressed = [p for p in self.presses if PRESSES[parse_press(p)[0]] is not None]
         runs = []
         for length in self.lengths:
             for task in self.tasks:
@@ -143,35 +147,24 @@ def context_limit(model) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def answer_agnostic(model, press, context_ids, questions: list[torch.Tensor], generation: GenerationConfig):
-    """Compress `context_ids` alone, then answer each question from its own copy of the compressed cache.
+def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int, prefill: Prefill | None = None) -> str:
+    """The model's greedy reply to one prompt, with `press` (None: full cache) in `mode`.
 
-    Must run inside `with press(model):`. Returns, per question, the generated ids after the prompt.
+    `prefill` is the prompt's recorded forward (of `prompt.ids` in "question" mode, of `prompt.context_ids` in
+    "agnostic" mode), shared by every press answering the same prompt; made here when not given.
     """
-    cache = press.make_cache(model)
-    with torch.no_grad():
-        model(context_ids, past_key_values=cache, logits_to_keep=1)
-    replies = []
-    for question in questions:
-        ids = torch.cat([context_ids, question.to(context_ids.device)], dim=1)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=copy.deepcopy(cache),
-                             generation_config=generation)
-        replies.append(out[0, ids.shape[1]:])
-    return replies
-
-
-def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int) -> str:
-    """The model's greedy reply to one prompt, with `press` (None: full cache) in `mode`."""
     generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=model.generation_config.eos_token_id)
-    device = model.device
+    ids = prompt.ids.to(model.device)
     if mode == "agnostic" and press is not None:
-        reply = answer_agnostic(model, press, prompt.context_ids.to(device), [prompt.question_ids], generation)[0]
+        prefill = prefill or Prefill.run(model, prompt.context_ids.to(model.device))
+        cache = prefill.compress(press)  # the context compressed alone, then the question read from it
+        with press(model):
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                 generation_config=generation)
     else:
-        ids = prompt.ids.to(device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=generation)
-        reply = out[0, ids.shape[1]:]
-    return tokenizer.decode(reply, skip_special_tokens=True)
+        out = (prefill or Prefill.run(model, ids)).generate(press, generation)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 class Evaluator:
@@ -224,46 +217,65 @@ class Evaluator:
                 "haystack_sha256": self._haystack_hash}
 
     def run_all(self) -> list[dict]:
-        """Every run of the sweep (done ones read back); returns their metrics."""
-        results = []
+        """Every run of the sweep (done ones read back); returns their metrics, in `config.runs()` order."""
+        groups: dict[tuple[str, int], list[Run]] = {}
         for run in self.config.runs():
-            metrics = self.run_one(run)
-            if metrics is not None:
-                results.append(metrics)
-        return results
+            groups.setdefault((run.task, run.length), []).append(run)
+        metrics = {}
+        for runs in groups.values():
+            metrics.update(self.run_group(runs))
+        return [metrics[run] for run in self.config.runs() if run in metrics]
 
-    def run_one(self, run: Run) -> dict | None:
-        """One run, resumed if it was interrupted; its metrics (None on non-main processes or skipped tasks)."""
-        directory = self.directory(run)
-        if (directory / "metrics.json").exists():
-            return json.loads((directory / "metrics.json").read_text()) if self.state.is_main_process else None
-        loaded = self.samples(run.task, run.length)
+    def run_group(self, runs: list[Run]) -> dict[Run, dict]:
+        """The runs of one task and length, resumed if interrupted: each sample's prompt is run through the
+        model once and every run's press answers from that one prefill. Returns metrics on the main process."""
+        pending = [run for run in runs if not (self.directory(run) / "metrics.json").exists()]
+        finished = {} if not self.state.is_main_process else {
+            run: json.loads((self.directory(run) / "metrics.json").read_text()) for run in runs if run not in pending}
+        loaded = self.samples(runs[0].task, runs[0].length) if pending else None
         if loaded is None:
-            return None
+            return finished
         samples, prompts, new_tokens = loaded
-        config = self.run_config(run, len(samples), new_tokens)
-        check_config(directory, config)
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.state.is_main_process:
-            write_json(directory / "config.json", config)
-        done = read_records(directory)
-        try:
-            press, press_error = make_press(run.press, run.ratio, run.budget), None
-        except ValueError as err:  # e.g. a budget below SnapKV's window: every sample of the run fails
-            press, press_error = None, str(err)
-        shard = directory / f"predictions.rank{self.state.process_index}.jsonl"
-        with self.state.split_between_processes(list(range(len(samples)))) as mine:
-            todo = [i for i in mine if i not in done]
-            bar = tqdm(todo, desc=f"{run.task} {run.name}", disable=not self.state.is_main_process or not todo)
-            with press(self.model) if press is not None else nullcontext(), open_shard(shard) as out:
-                for i in bar:
-                    record = self.predict(press, run, samples[i], prompts[i], new_tokens, press_error)
-                    out.write(json.dumps({"index": i, "process": self.state.process_index, **record}) + "\n")
-                    out.flush()
+        configs, done, presses = {}, {}, {}
+        for run in pending:
+            directory = self.directory(run)
+            configs[run] = self.run_config(run, len(samples), new_tokens)
+            check_config(directory, configs[run])
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.state.is_main_process:
+                write_json(directory / "config.json", configs[run])
+            done[run] = read_records(directory)
+            try:
+                presses[run] = (make_press(run.press, run.ratio, run.budget), None)
+            except ValueError as err:  # e.g. a budget below SnapKV's window: every sample of the run fails
+                presses[run] = (None, str(err))
+        with self.state.split_between_processes(list(range(len(samples)))) as mine, ExitStack() as stack:
+            shard = f"predictions.rank{self.state.process_index}.jsonl"
+            shards = {run: stack.enter_context(open_shard(self.directory(run) / shard)) for run in pending}
+            todo = [i for i in mine if any(i not in done[run] for run in pending)]
+            task, length = runs[0].task, runs[0].length
+            bar = tqdm(todo, desc=f"{task} {length} ({len(pending)} runs)",
+                       disable=not self.state.is_main_process or not todo)
+            for i in bar:
+                prefills = {}  # one recorded forward per sample and mode, shared by every press
+                for run in pending:
+                    if i in done[run]:
+                        continue
+                    press, error = presses[run]
+                    mode = run.mode if press is not None else "question"
+                    if error is None and mode not in prefills:
+                        ids = prompts[i].context_ids if mode == "agnostic" else prompts[i].ids
+                        prefills[mode] = Prefill.run(self.model, ids.to(self.model.device))
+                    record = self.predict(press, run, samples[i], prompts[i], new_tokens, error, prefills.get(mode))
+                    shards[run].write(json.dumps({"index": i, "process": self.state.process_index, **record}) + "\n")
+                    shards[run].flush()
         self.state.wait_for_everyone()
-        return merge(directory, config) if self.state.is_main_process else None
+        if not self.state.is_main_process:
+            return {}
+        return {**finished, **{run: merge(self.directory(run), configs[run]) for run in pending}}
 
-    def predict(self, press, run: Run, sample: Sample, prompt: Prompt, new_tokens: int, error: str | None = None):
+    def predict(self, press, run: Run, sample: Sample, prompt: Prompt, new_tokens: int, error: str | None = None,
+                prefill: Prefill | None = None):
         """One sample's record: reply, score, fraction of KV kept, and the press's error if it could not run."""
         compressed = prompt.context_ids.shape[1] if run.mode == "agnostic" else len(prompt)
         kept = run.ratio if run.budget is None else min(1.0, run.budget / compressed)
@@ -272,7 +284,7 @@ class Evaluator:
         try:
             if error is not None:
                 raise ValueError(error)
-            reply = answer(self.model, self.tokenizer, press, prompt, run.mode, new_tokens)
+            reply = answer(self.model, self.tokenizer, press, prompt, run.mode, new_tokens, prefill)
         except ValueError as err:  # e.g. a budget larger than the prompt: counted wrong, the sweep goes on
             return {**record, "prediction": "", "score": 0.0, "error": str(err)}
         return {**record, "prediction": reply, "score": score(reply, sample.answers, sample.metric)}

@@ -1,7 +1,10 @@
 """One press per file, each reading like its paper's algorithm."""
 
+from .chunkkv import ChunkPress
 from .h2o import H2OPress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
 
-__all__ = ["H2OPress", "SnapKVPress", "StreamingLLMPress"]
+ChunkKVPress = ChunkPress  # the paper's name
+
+__all__ = ["ChunkKVPress", "ChunkPress", "H2OPress", "SnapKVPress", "StreamingLLMPress"]

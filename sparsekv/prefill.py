@@ -1,0 +1,126 @@
+"""One prompt forward, many presses: prefill once, then compress the same prompt with each press.
+
+A press compresses a layer *after* that layer's attention ran over the whole prompt, so the prompt's forward
+pass (hidden states, keys, values, next-token logits) is the same under every press. `Prefill.run` records it
+once, without a press; `Prefill.compress(press)` replays the press's prefill work layer by layer on the
+recording and returns the very cache `model.generate` would have built under the press; `Prefill.generate`
+continues greedy decoding from it. A sweep of presses x ratios then costs one prompt forward per sample instead
+of one per configuration (`sparsekv eval` works this way), and the answers are the same token for token (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from .attention import AttentionCall
+from .cache import SparseCache
+from .hooks import _active, attention_modules, compressed_layers, press_after_attention, press_before_attention
+
+
+@dataclass
+class Prefill:
+    """A recorded prompt forward.
+
+    Attributes:
+        input_ids, attention_mask: the prompt `(batch, L)` (left padding marked in the mask).
+        logits: next-token logits after the prompt, `(batch, 1, vocab)`.
+        cache: the full (uncompressed) `DynamicCache` of the prompt.
+        inputs: per compressed layer, the attention module's input: `(hidden_states, (cos, sin))`.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits: torch.Tensor
+    cache: DynamicCache
+    inputs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
+    model: torch.nn.Module
+
+    @classmethod
+    @torch.no_grad()
+    def run(cls, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prefill:
+        """Run the prompt through `model` once (no press may be installed) and record what presses need."""
+        if model in _active:
+            raise ValueError("model: record the prefill outside `with press(model):`; it must run uncompressed.")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        modules = attention_modules(model)
+        inputs, handles = {}, []
+
+        def record(layer_idx, module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            inputs[layer_idx] = (hidden, kwargs["position_embeddings"])
+
+        try:
+            for i in compressed_layers(model.config):
+                handles.append(modules[i].register_forward_pre_hook(partial(record, i), with_kwargs=True))
+            cache = DynamicCache(config=model.config)
+            # Positions as `generate` gives them: counted from each row's first real token.
+            positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+            out = model(input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+                        logits_to_keep=1)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return cls(input_ids, attention_mask, out.logits, cache, inputs, model)
+
+    @torch.no_grad()
+    def compress(self, press) -> SparseCache:
+        """The cache `press` builds on this prompt: the same as after `generate`'s prefill under the press."""
+        cache = press.make_cache(self.model)
+        b, q = self.input_ids.shape
+        cache.begin_forward(self.attention_mask, q, b)
+        modules = attention_modules(self.model)
+        for i, recorded in enumerate(self.cache.layers):
+            if i not in self.inputs:  # a layer sparsekv leaves alone (sliding window): transformers' own state
+                cache.layers[i] = copy.deepcopy(recorded)
+                continue
+            hidden, position_embeddings = self.inputs[i]
+            layer = cache.layers[i]
+            call = AttentionCall(modules[i], hidden, position_embeddings, None, cache.input_valid)
+            press_before_attention(cache, layer, call)
+            cache.update(recorded.keys, recorded.values, i)
+            press_after_attention(cache, layer, call)
+        press.on_logits(cache, self.logits)
+        return cache
+
+    @torch.no_grad()
+    def generate(self, press=None, generation_config: GenerationConfig | None = None, **kwargs) -> torch.Tensor:
+        """Greedy continuation of the prompt under `press` (None: the full cache), as `model.generate` gives it.
+
+        Returns `(batch, L + new)` ids like `generate`. Installs the press for the decoding steps unless it is
+        installed already. Only greedy decoding without logits processors: the first token is the argmax of
+        the recorded logits.
+        """
+        config = copy.deepcopy(generation_config or self.model.generation_config)
+        config.update(**kwargs)
+        if config.do_sample or (config.num_beams or 1) > 1:
+            raise ValueError("generation_config: Prefill.generate decodes greedily; do_sample must be False and "
+                             "num_beams 1.")
+        first = self.logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([self.input_ids, first], dim=1)
+        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else 20
+        eos = config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        done = torch.isin(first[:, 0], torch.tensor(eos, dtype=first.dtype, device=first.device))
+        if new_tokens <= 1 or bool(done.all()):
+            return ids
+        config.max_new_tokens = new_tokens - 1
+        mask = torch.cat([self.attention_mask, torch.ones_like(first)], dim=1)
+        if press is None:
+            out = self.model.generate(ids, attention_mask=mask, past_key_values=copy.deepcopy(self.cache),
+                                      generation_config=config)
+        else:
+            cache = self.compress(press)
+            with nullcontext() if self.model in _active else press(self.model):
+                out = self.model.generate(ids, attention_mask=mask, past_key_values=cache, generation_config=config)
+        if bool(done.any()):  # rows whose first token ended them: padding after it, as generate pads
+            pad = config.pad_token_id if config.pad_token_id is not None else eos[0]
+            out[done, ids.shape[1]:] = pad
+        return out
+

@@ -1,0 +1,81 @@
+"""One recorded prefill replayed under many presses gives exactly what `generate` under each press gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
+from sparsekv.prefill import Prefill
+
+from conftest import greedy, make_model, prompt
+
+PRESSES = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), StreamingLLMPress(budget=24),
+           ChunkPress(ratio=0.3, window_size=8, chunk_size=5)]
+
+
+def padded(rows):
+    n = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, n - len(row):] = row
+        mask[i, n - len(row):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_replayed_presses_generate_what_generate_does(arch, impl):
+    model = make_model(arch, impl)
+    ids, mask = padded([prompt(60, seed=3)[0], prompt(90, seed=4)[0]])
+    prefill = Prefill.run(model, ids, mask)
+    assert torch.equal(prefill.generate(None, max_new_tokens=10, do_sample=False, pad_token_id=0),
+                       greedy(model, ids, mask, new=10))
+    for press in PRESSES:
+        with press(model):
+            expected = greedy(model, ids, mask, new=10)
+            inside = prefill.generate(press, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        outside = prefill.generate(press, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(inside, expected), press
+        assert torch.equal(outside, expected), press
+
+
+def test_replayed_cache_equals_generates_cache():
+    model = make_model("qwen3", "sdpa")
+    ids = prompt(70)
+    press = SnapKVPress(ratio=0.25, window_size=8)
+    with press(model):
+        direct = model(ids).past_key_values
+    replayed = Prefill.run(model, ids).compress(press)
+    assert replayed.stats().resident_tokens == direct.stats().resident_tokens
+    for a, b in zip(direct.layers, replayed.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
+    assert replayed.seconds["compress"] > 0
+
+
+def test_prefill_is_reusable_and_untouched_by_presses():
+    model = make_model("llama")
+    prefill = Prefill.run(model, prompt(50))
+    keys = [layer.keys.clone() for layer in prefill.cache.layers]
+    first = prefill.generate(StreamingLLMPress(budget=16), max_new_tokens=6, do_sample=False)
+    prefill.generate(H2OPress(ratio=0.2), max_new_tokens=6, do_sample=False)
+    assert torch.equal(prefill.generate(StreamingLLMPress(budget=16), max_new_tokens=6, do_sample=False), first)
+    assert all(torch.equal(k, layer.keys) for k, layer in zip(keys, prefill.cache.layers))
+
+
+def test_first_token_eos_and_single_token():
+    model = make_model("llama")
+    prefill = Prefill.run(model, prompt(30))
+    top = int(prefill.logits[0, -1].argmax())
+    out = prefill.generate(SnapKVPress(ratio=0.5, window_size=4), max_new_tokens=5, do_sample=False, eos_token_id=top)
+    assert out.shape[1] == 31 and int(out[0, -1]) == top
+    assert prefill.generate(None, max_new_tokens=1, do_sample=False).shape[1] == 31
+
+
+def test_prefill_errors():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="do_sample"):
+        Prefill.run(model, prompt(20)).generate(None, max_new_tokens=3, do_sample=True)
+    with SnapKVPress(ratio=0.5)(model), pytest.raises(ValueError, match="outside"):
+        Prefill.run(model, prompt(20))
