@@ -203,6 +203,7 @@ class SparseCache(Cache):
         self.prompt_start: torch.Tensor | None = None  # (batch,) index of each row's first real token
         self.budgets: torch.Tensor | None = None  # (batch,) tokens kept per row, set by the press at prefill
         self.seconds: dict[str, float] = defaultdict(float)
+        self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
         self.state = press.new_state(self)
 
     def __deepcopy__(self, memo):
@@ -213,6 +214,19 @@ class SparseCache(Cache):
         for name, value in self.__dict__.items():
             setattr(clone, name, copy.deepcopy(value, memo))
         return clone
+
+    def prompt_work(self, key, compute):
+        """`compute()`, or its result for the same `key` on the same prompt when one is at hand.
+
+        Presses wrap work that depends only on the prompt and on what `key` names (never on the budget), so
+        that a `Prefill` replayed under several presses or ratios does it once. The result is shared: do not
+        modify it in place.
+        """
+        if self.shared is None:
+            return compute()
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         kwargs.setdefault("valid", self.input_valid)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -32,6 +32,7 @@ class Prefill:
         logits: next-token logits after the prompt, `(batch, 1, vocab)`.
         cache: the full (uncompressed) `DynamicCache` of the prompt.
         inputs: per compressed layer, the attention module's input: `(hidden_states, (cos, sin))`.
+        shared: results of presses' prompt-only work (`SparseCache.prompt_work`), reused by later replays.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +41,7 @@ class Prefill:
     cache: DynamicCache
     inputs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]
     model: torch.nn.Module
+    shared: dict = field(default_factory=dict)
 
     @classmethod
     @torch.no_grad()
@@ -75,6 +77,7 @@ class Prefill:
         cache = press.make_cache(self.model)
         b, q = self.input_ids.shape
         cache.begin_forward(self.attention_mask, q, b)
+        cache.shared = self.shared
         modules = attention_modules(self.model)
         for i, recorded in enumerate(self.cache.layers):
             if i not in self.inputs:  # a layer sparsekv leaves alone (sliding window): transformers' own state
@@ -86,6 +89,7 @@ class Prefill:
             press_before_attention(cache, layer, call)
             cache.update(recorded.keys, recorded.values, i)
             press_after_attention(cache, layer, call)
+        cache.shared = None  # the prompt is done: the cache keeps no reference to the recording
         press.on_logits(cache, self.logits)
         return cache
 

@@ -79,3 +79,24 @@ def test_prefill_errors():
         Prefill.run(model, prompt(20)).generate(None, max_new_tokens=3, do_sample=True)
     with SnapKVPress(ratio=0.5)(model), pytest.raises(ValueError, match="outside"):
         Prefill.run(model, prompt(20))
+
+
+def test_prompt_work_done_once_per_prompt(monkeypatch):
+    """Scores that do not depend on the budget are computed once for every ratio replayed on one prompt."""
+    calls = []
+    real_window, real_received = SnapKVPress._window_scores, H2OPress.received
+    monkeypatch.setattr(SnapKVPress, "_window_scores", lambda *a: calls.append("window") or real_window(*a))
+    monkeypatch.setattr(H2OPress, "received", lambda *a: calls.append("h2o") or real_received(*a))
+    model = make_model("llama")  # 3 layers
+    prefill = Prefill.run(model, prompt(80))
+    for ratio in (0.5, 0.3, 0.2):
+        for press in (SnapKVPress(ratio=ratio, window_size=8), ChunkPress(ratio=ratio, window_size=8, reuse_layers=1),
+                      H2OPress(ratio=ratio)):
+            prefill.compress(press)
+    assert calls.count("window") == 3 and calls.count("h2o") == 3
+    prefill.compress(SnapKVPress(ratio=0.5, window_size=16))  # another window: other scores
+    assert calls.count("window") == 6
+    with H2OPress(ratio=0.5)(model):  # outside a replay nothing is shared
+        model(prompt(80))
+        model(prompt(80))
+    assert calls.count("h2o") == 9

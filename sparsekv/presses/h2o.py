@@ -50,7 +50,9 @@ class H2OPress(Press):
         budgets = self.row_budgets(cache)
         if self.keeps_everything(cache):
             return
-        layer.extra["received"] = self.received(layer, call)
+        # The prompt's received attention does not depend on the budget: replays of one prompt share it.
+        received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(layer, call))
+        layer.extra["received"] = received.clone()
         scores = self.heavy_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
         layer.keep(scores, budgets)
 

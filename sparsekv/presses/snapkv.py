@@ -46,11 +46,16 @@ class SnapKVPress(ScorerPress):
     def min_kept(self):
         return self.window_size, f"window_size={self.window_size}"
 
-    def window_scores(self, layer, call) -> torch.Tensor:
+    def window_scores(self, cache, layer, call) -> torch.Tensor:
         """Observation-window attention received by each prompt token, `(batch, kv_heads, prompt)`, pooled.
 
-        Shared with presses that build on SnapKV's scoring (ChunkKV, SentenceKV's prefilter).
+        Shared with presses that build on SnapKV's scoring (ChunkKV, SentenceKV's prefilter). It depends on
+        the prompt and the scoring options only, so replays of one prompt compute it once.
         """
+        key = ("snapkv-window", self.window_size, self.kernel_size, self.pooling, call.module.layer_idx)
+        return cache.prompt_work(key, lambda: self._window_scores(layer, call))
+
+    def _window_scores(self, layer, call) -> torch.Tensor:
         n, w = layer.keys.shape[-2], self.window_size
         probs = call.prefill_probs(layer.keys, n - w, n)  # (b, h_kv, group, w, n)
         scores = probs.sum(dim=-2).mean(dim=2)
@@ -62,4 +67,4 @@ class SnapKVPress(ScorerPress):
         return scores
 
     def score(self, cache, layer, call):
-        return self.window_scores(layer, call)
+        return self.window_scores(cache, layer, call)
