@@ -7,7 +7,15 @@
 
 from .cache import CacheStats, KVLayer, SparseCache
 from .press import Press, ScorerPress
-from .presses import ChunkKVPress, ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
+from .presses import (
+    ChunkKVPress,
+    ChunkPress,
+    H2OPress,
+    SentenceKVPress,
+    SentencePress,
+    SnapKVPress,
+    StreamingLLMPress,
+)
 
 __version__ = "0.1.0"
 
@@ -19,6 +27,8 @@ __all__ = [
     "KVLayer",
     "Press",
     "ScorerPress",
+    "SentenceKVPress",
+    "SentencePress",
     "SnapKVPress",
     "SparseCache",
     "StreamingLLMPress",

@@ -64,8 +64,8 @@ class Setting:
             return "full" if self.length in lengths else "oracle"
         return f"{self.press} " + (f"b={self.budget}" if self.budget is not None else f"r={self.ratio:g}")
 
-    def make_press(self):
-        return None if self.press == "full" else make_press(self.press, self.ratio, self.budget)
+    def make_press(self, tokenizer=None):
+        return None if self.press == "full" else make_press(self.press, self.ratio, self.budget, tokenizer)
 
 
 def plan(lengths, presses, ratios=None, budgets=None) -> list[tuple[Setting, Setting, Setting]]:
@@ -85,7 +85,7 @@ def plan(lengths, presses, ratios=None, budgets=None) -> list[tuple[Setting, Set
                 if budget is not None and budget > length:
                     raise ValueError(f"--budgets: {budget} exceeds the {length}-token prompt of --lengths.")
                 try:
-                    setting.make_press()
+                    setting.make_press(tokenizer="(checked later)")
                 except ValueError as err:
                     raise ValueError(f"{setting.label(lengths)}: {err}") from None
                 triples.append((setting, full, Setting("full", setting.kept)))
@@ -98,7 +98,7 @@ def check_inputs(lengths, presses, ratios, budgets, max_new_tokens: int, repeats
                  plot: str | None = None, json_path: str | None = None) -> None:
     """Raise ValueError with a clear message for any input the benchmark cannot run."""
     for name in presses:
-        make_press(name, ratio=1.0)  # unknown names raise, listing the presses
+        make_press(name, ratio=1.0, tokenizer="(checked later)")  # unknown names raise, listing the presses
     if (ratios is None) == (budgets is None):
         raise ValueError("give exactly one of --ratios and --budgets.")
     if ratios is not None and not (ratios and all(0 < r <= 1 for r in ratios)):
@@ -190,7 +190,8 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
 
     Returns prefill seconds, the decode latency of every step (ms), peak memory above the pre-run level (MB;
     CUDA: None off the GPU), the final cache's resident and attended tokens and KV bytes, and the press's own
-    work from `cache.seconds`: seconds compressing the prompt, and ms per decoding step (None without a press).
+    work from `cache.seconds`: seconds compressing the prompt, and ms per decoding step (None without a press),
+    and the mean `layer_jaccard` of the kept tokens (how alike adjacent layers' selections are).
     """
     _release_memory()
     cuda = ids.is_cuda
@@ -203,11 +204,13 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
     resident, attended, kv_bytes = cache_footprint(out.past_key_values)
     steps = step_latencies(stamps)
     seconds = dict(getattr(out.past_key_values, "seconds", {}))  # press work, a SparseCache only
+    jaccard = out.past_key_values.stats().layer_jaccard if hasattr(out.past_key_values, "stats") else []
     return {
         "prefill_s": stamps[0],
         "steps_ms": steps,
         "compress_s": seconds.pop("compress", None),
         "press_ms": sum(seconds.values()) * 1000 / max(len(steps), 1) if press is not None else None,
+        "jaccard": statistics.mean(jaccard) if jaccard else None,
         "peak_mb": rss.peak_mb,
         "cuda_peak_mb": (torch.cuda.max_memory_allocated(ids.device) - gpu_base) / 2**20 if cuda else None,
         "resident": resident,
@@ -235,6 +238,7 @@ def medians(runs: list[dict]) -> dict:
         "compress_s": _median(r.get("compress_s") for r in runs),
         "decode_ms": _median(statistics.median(r["steps_ms"]) for r in runs),
         "press_ms": _median(r.get("press_ms") for r in runs),
+        "jaccard": _median(r.get("jaccard") for r in runs),
         "slope": slope_per_1k(curve),
         "peak_mb": _median(r["peak_mb"] for r in runs),
         "cuda_peak_mb": _median(r["cuda_peak_mb"] for r in runs),
@@ -272,7 +276,7 @@ def format_rows(rows: list[dict]) -> str:
         ("decode/oracle", "decode_vs_oracle", ".2f"), ("slope ms/1k tok", "slope", ".2f"),
         ("peak MB", "peak_mb", ".1f"), ("GPU peak MB", "cuda_peak_mb", ".1f"),
         ("resident tok", "resident", ".0f"), ("attended tok", "attended", ".0f"),
-        ("KV MB", "kv_mb", ".2f"), ("KV/full", "kv_vs_full", ".3f"),
+        ("KV MB", "kv_mb", ".2f"), ("KV/full", "kv_vs_full", ".3f"), ("layer Jaccard", "jaccard", ".3f"),
     ]
     if all(row["cuda_peak_mb"] is None for row in rows):
         columns = [c for c in columns if c[1] != "cuda_peak_mb"]
@@ -322,7 +326,7 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(setting: Setting, length: int, new_tokens: int) -> dict:
-        return measure(model, source[:, -length:], setting.make_press(), new_tokens, pad)
+        return measure(model, source[:, -length:], setting.make_press(tokenizer), new_tokens, pad)
 
     # Every code path once, on a short prompt the press accepts; presses first: a budget they refuse fails fast.
     for s in tqdm(sorted(settings, key=lambda s: s.press == "full"), desc="warm-up"):

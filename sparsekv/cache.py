@@ -144,6 +144,10 @@ class KVLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("A compressed sparsekv cache cannot be cropped: evicted tokens are gone.")
 
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        """KV this layer keeps in an offload store, off the attention's device (none here)."""
+        return []
+
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds, for memory accounting."""
         if not self.is_initialized:
@@ -162,6 +166,8 @@ class CacheStats:
         kv_bytes: bytes of keys and values held, all layers.
         bytes_by_device: bytes of every tensor the cache holds (KV and bookkeeping), by device.
         seconds: time spent in press work, by kind (e.g. "compress", "step").
+        offloaded_bytes: bytes of KV a press keeps off the device in an offload store (e.g. SentenceKV's).
+        counts: press events by kind (e.g. "selections", "loads", "loaded_tokens").
         layer_jaccard: per pair of adjacent compressed layers, the Jaccard similarity of the prompt tokens they
             keep (per row and KV head, averaged): how alike neighbouring layers' selections are.
     """
@@ -172,6 +178,8 @@ class CacheStats:
     kv_bytes: int
     bytes_by_device: dict[str, int]
     seconds: dict[str, float] = field(default_factory=dict)
+    offloaded_bytes: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
     layer_jaccard: list[float] = field(default_factory=list)
 
     @property
@@ -203,6 +211,7 @@ class SparseCache(Cache):
         self.prompt_start: torch.Tensor | None = None  # (batch,) index of each row's first real token
         self.budgets: torch.Tensor | None = None  # (batch,) tokens kept per row, set by the press at prefill
         self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)  # press events, e.g. selections, tokens loaded
         self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
         self.state = press.new_state(self)
 
@@ -268,6 +277,9 @@ class SparseCache(Cache):
             kv_bytes=kv,
             bytes_by_device=dict(by_device),
             seconds=dict(self.seconds),
+            offloaded_bytes=sum(t.nbytes for layer in self.layers if isinstance(layer, KVLayer)
+                                for t in layer.offloaded_tensors()),
+            counts=dict(self.counts),
             layer_jaccard=self.layer_jaccard(),
         )
 

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from . import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
+from . import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from .cache import SparseCache
 from .niah import build_needle_prompt, score_answer
 from .table import format_table
@@ -85,6 +85,7 @@ def run_demo(
     print(f"model {model_name}: {n_prompt}-token prompt, needle at depth {depth:.0%}, answer {answer}, ratio {ratio}")
 
     configs = [("full cache", None)] + [(name, cls(ratio=ratio)) for name, cls in PRESSES.items()]
+    configs.append(("SentenceKV", SentencePress(tokenizer, ratio=ratio)))
     rows = []
     for name, press in tqdm(configs, desc="presses"):
 

@@ -86,6 +86,8 @@ def _before_model(press, model, module, args, kwargs):
         if inputs is None:
             inputs = kwargs["inputs_embeds"]
         cache.begin_forward(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0])
+        if cache.press.reads_input_ids:
+            cache.press.before_forward(cache, kwargs.get("input_ids", args[0] if args else None))
     return args, kwargs
 
 

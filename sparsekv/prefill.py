@@ -77,6 +77,8 @@ class Prefill:
         cache = press.make_cache(self.model)
         b, q = self.input_ids.shape
         cache.begin_forward(self.attention_mask, q, b)
+        if press.reads_input_ids:
+            press.before_forward(cache, self.input_ids)
         cache.shared = self.shared
         modules = attention_modules(self.model)
         for i, recorded in enumerate(self.cache.layers):

@@ -8,12 +8,13 @@ What the core asks of a press (override what the method needs; every default doe
 - `after_step(cache, layer, call)`: after attention on every later forward (decoding): evict, rescore.
 - `before_attention(cache, layer, call)`: before attention on every forward: select what to attend.
 - `on_logits(cache, logits)`: after each model forward, with the next-token logits.
+- `before_forward(cache, input_ids)`: before each model forward, with its token ids (None for embeddings).
 - `new_layer(layer_idx)` / `new_state(cache)`: the layer objects and cross-layer state a generation needs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,8 +32,9 @@ class Press:
         budget: tokens of each prompt's KV kept (an alternative to `ratio`; give exactly one).
     """
 
-    ratio: float | None = None
-    budget: int | None = None
+    # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
+    ratio: float | None = field(default=None, kw_only=True)
+    budget: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         if (self.ratio is None) == (self.budget is None):
@@ -76,6 +78,14 @@ class Press:
 
     def on_logits(self, cache: SparseCache, logits: torch.Tensor) -> None:
         pass
+
+    def before_forward(self, cache: SparseCache, input_ids: torch.Tensor | None) -> None:
+        pass
+
+    @property
+    def reads_input_ids(self) -> bool:
+        """Whether the press overrides `before_forward` (it sees each forward's token ids, e.g. to segment)."""
+        return type(self).before_forward is not Press.before_forward
 
     # --- helpers for presses ------------------------------------------------------------------------------------
     def row_budgets(self, cache: SparseCache, minimum: int = 1, what: str = "1 token") -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import (
@@ -86,3 +88,32 @@ def save_model_dir(tmp_path_factory, model, tokenizer):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+TRICKY = (
+    "Dr. Smith paid $3.50 for the U.S. edition. It was 2.5 times cheaper.\n"
+    '"Is it good?" she asked. "Yes."\nThe end.\n\n'
+    "x = 1.5\nprint(x)\n\ndef f():\n    return x\n\n"
+    "The committee reviewed every single proposal very carefully before the final vote was taken. "
+    "Most members agreed that the second proposal was by far the strongest of all the candidates. "
+)
+
+
+@functools.lru_cache(maxsize=None)
+def make_tokenizer():
+    """A byte-level BPE (vocabulary > 256, so it decodes every id of the tiny models) trained in memory on text
+    full of punctuation, so that tokens such as `.\\n` and `."` exist."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Qwen2 / Llama-3 style splitting: punctuation keeps its trailing newlines (tokens like `.\n`).
+    split = pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                                       r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), "isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                 use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TRICKY] * 50, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

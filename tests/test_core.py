@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ARCHITECTURES, greedy, make_model, prompt
+from conftest import ARCHITECTURES, greedy, make_model, make_tokenizer, prompt
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from sparsekv import ChunkPress, H2OPress, KVLayer, SnapKVPress, SparseCache, StreamingLLMPress
+from sparsekv import ChunkPress, H2OPress, KVLayer, SentencePress, SnapKVPress, SparseCache, StreamingLLMPress
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
     "h2o": lambda **kw: H2OPress(**kw),
     "streaming": lambda **kw: StreamingLLMPress(**kw),
     "chunkkv": lambda **kw: ChunkPress(window_size=8, chunk_size=4, **kw),
+    "sentencekv": lambda **kw: SentencePress(make_tokenizer(), n_sinks=4, window_size=8, **kw),
 }
 
 
@@ -42,7 +43,7 @@ def test_physical_budget_held(any_model, name):
     with PRESSES[name](budget=30)(any_model):
         out = greedy(any_model, ids, new=new, return_dict_in_generate=True)
     cache = out.past_key_values
-    grows = name in ("snapkv", "chunkkv")  # prompt-only presses; H2O and StreamingLLM evict while decoding
+    grows = name in ("snapkv", "chunkkv", "sentencekv")  # H2O and StreamingLLM evict while decoding
     whole = 30 - (30 - 8) % 4 if name == "chunkkv" else 30  # whole chunks only: the remainder stays unused
     for layer in compressed_layers(cache):
         assert layer.keys.shape[-2] == layer.values.shape[-2] == (whole + new - 1 if grows else whole)

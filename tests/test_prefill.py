@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
+from sparsekv import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from sparsekv.prefill import Prefill
 
-from conftest import greedy, make_model, prompt
+from conftest import greedy, make_model, make_tokenizer, prompt
 
 PRESSES = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), StreamingLLMPress(budget=24),
-           ChunkPress(ratio=0.3, window_size=8, chunk_size=5)]
+           ChunkPress(ratio=0.3, window_size=8, chunk_size=5),
+           SentencePress(make_tokenizer(), ratio=0.4, n_sinks=4, window_size=8)]
 
 
 def padded(rows):

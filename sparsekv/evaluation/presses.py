@@ -8,8 +8,9 @@ after its name, `name:key=value[:key=value...]`, e.g. `chunkkv:reuse_layers=1` (
 from __future__ import annotations
 
 import ast
+import dataclasses
 
-from .. import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
+from .. import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from ..press import Press
 
 PRESSES: dict[str, type[Press] | None] = {
@@ -18,6 +19,7 @@ PRESSES: dict[str, type[Press] | None] = {
     "h2o": H2OPress,
     "streamingllm": StreamingLLMPress,
     "chunkkv": ChunkPress,
+    "sentencekv": SentencePress,
 }
 
 
@@ -41,12 +43,17 @@ def parse_press(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
-def make_press(spec: str, ratio: float | None = None, budget: int | None = None) -> Press | None:
-    """The press `spec` (a name, with options) keeping `ratio` of the KV (or `budget` tokens); None for "full"."""
+def make_press(spec: str, ratio: float | None = None, budget: int | None = None, tokenizer=None) -> Press | None:
+    """The press `spec` (a name, with options) keeping `ratio` of the KV (or `budget` tokens); None for "full".
+
+    `tokenizer` goes to presses that take one (SentenceKV reads sentences from the prompt's text).
+    """
     name, kwargs = parse_press(spec)
     cls = PRESSES[name]
     if cls is None:
         return None
+    if "tokenizer" in {f.name for f in dataclasses.fields(cls)}:
+        kwargs["tokenizer"] = tokenizer
     try:
         return cls(ratio=ratio, budget=budget, **kwargs)
     except TypeError as err:

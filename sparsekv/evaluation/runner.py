@@ -84,7 +84,7 @@ class EvalConfig:
                 raise ValueError(f"--tasks: unknown task {task!r}; local tasks: {', '.join(TASKS)}; "
                                  "Hub tasks: ruler:<task>, longbench:<task>.")
         for press in self.presses:
-            make_press(press, ratio=1.0)  # raises for unknown names
+            make_press(press, ratio=1.0, tokenizer="(checked later)")  # raises for unknown names and options
         if self.mode not in MODES:
             raise ValueError(f"--mode: must be one of {', '.join(MODES)}; got {self.mode!r}.")
         if not self.budgets and not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in self.ratios):
@@ -246,7 +246,7 @@ class Evaluator:
                 write_json(directory / "config.json", configs[run])
             done[run] = read_records(directory)
             try:
-                presses[run] = (make_press(run.press, run.ratio, run.budget), None)
+                presses[run] = (make_press(run.press, run.ratio, run.budget, self.tokenizer), None)
             except ValueError as err:  # e.g. a budget below SnapKV's window: every sample of the run fails
                 presses[run] = (None, str(err))
         with self.state.split_between_processes(list(range(len(samples)))) as mine, ExitStack() as stack:

@@ -2,9 +2,13 @@
 
 from .chunkkv import ChunkPress
 from .h2o import H2OPress
+from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
 
-ChunkKVPress = ChunkPress  # the paper's name
+ChunkKVPress = ChunkPress  # the papers' names
+SentenceKVPress = SentencePress
 
-__all__ = ["ChunkKVPress", "ChunkPress", "H2OPress", "SnapKVPress", "StreamingLLMPress"]
+__all__ = [
+    "ChunkKVPress", "ChunkPress", "H2OPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress",
+]

@@ -19,7 +19,7 @@ class ChunkState:
     selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # leader -> (scores, kept)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChunkPress(SnapKVPress):
     """Keep whole chunks of contiguous prompt tokens, ranked by the observation window's attention; reuse a
     layer's chunks in the next layers.

@@ -9,7 +9,7 @@ import torch
 from ..press import Press
 
 
-@dataclass
+@dataclass(kw_only=True)
 class H2OPress(Press):
     """Keep heavy hitters (tokens that received the most attention) and the most recent tokens.
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..press import ScorerPress
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SnapKVPress(ScorerPress):
     """Keep the prompt tokens the last `window_size` prompt queries attend to most, plus that window.
 

@@ -9,7 +9,7 @@ import torch
 from ..press import Press
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StreamingLLMPress(Press):
     """Keep the first `n_sinks` tokens (attention sinks) and the most recent ones: a rolling cache.
 

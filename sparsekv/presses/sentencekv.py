@@ -1,0 +1,226 @@
+"""SentenceKV (Zhu et al., 2025, "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV Caching")."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache import KVLayer
+from ..segment import closes_sentence, sentence_ids
+from .snapkv import SnapKVPress
+
+
+@dataclass
+class SentenceState:
+    """Per generation: each prompt token's sentence, and which rows' last input token ended a sentence."""
+
+    sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
+    closing: torch.Tensor | None = None  # (batch,)
+
+
+class SentenceLayer(KVLayer):
+    """A layer whose prompt lives in an offload store, attended sentence by sentence.
+
+    Device slots: `[loaded | sinks + recent window + generated tokens]`; the first `loaded` slots are rewritten
+    from the store whenever the selection changes. The store (`store_keys` / `store_values`,
+    `(batch, kv_heads, R, head_dim)`) is on `offload_device`; sentence vectors and bookkeeping stay on device.
+    """
+
+    def __init__(self, offload_device: str):
+        super().__init__()
+        self.offload_device = torch.device(offload_device)
+        self.loaded = 0  # slots of the loaded region
+        self.store_keys = self.store_values = None
+        self.store_positions: torch.Tensor | None = None  # (batch, R)
+        self.store_sentence: torch.Tensor | None = None  # (batch, R), -1: empty slot
+        self.sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
+        self.query_sum: torch.Tensor | None = None  # (batch, heads, head_dim): the sentence being generated
+        self.query_count: torch.Tensor | None = None  # (batch,)
+        self.selection: torch.Tensor | None = None  # (batch, kv_heads, loaded) store slots now loaded
+        self.row_loaded: torch.Tensor | None = None  # (batch,) loaded slots each row may fill (tau - fixed)
+
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.store_keys, self.store_values) if t is not None]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        extra = [self.store_positions, self.store_sentence, self.sentence_keys, self.query_sum, self.query_count]
+        return super().held_tensors() + self.offloaded_tensors() + [t for t in extra if t is not None]
+
+
+@dataclass(kw_only=True)
+class SentencePress(SnapKVPress):
+    """Keep the prompt as sentences in an offload store; at every decoding step, attend to the sentences whose
+    mean key best matches the mean query of the sentence being generated.
+
+    Prefill (paper sec. 4.1): the prompt is split into sentences (`sparsekv.segment`: Punkt, blank lines, long
+    sentences cut at mean + 2 std tokens, A.7). SnapKV's window scores, summed over the heads, keep the best
+    `keep_factor * budget` prompt tokens over all sentences (A.7's global prefilter); apart from the attention
+    sinks and the recent window, which stay on the device, their KV goes to the store on `offload_device`, and
+    each sentence's mean key per KV head over its kept tokens (eq. 1) stays on the device.
+    Decoding (sec. 4.2): the queries of the tokens of the sentence being generated are averaged (eq. 2; reset
+    after a token that ends a sentence), the query heads of each GQA group averaged, and per KV head sentences
+    are ranked by `q . k_s`; the tokens of the best sentences (in position order within a sentence, the last
+    one cut) are loaded until the budget, with one gather and copy per layer, skipped when the selection did
+    not change. Attention reads sinks + loaded tokens + recent window + generated tokens.
+
+    Args:
+        tokenizer: the model's tokenizer (required: sentences are found in the decoded prompt).
+        budget: tau, prompt tokens attended at each decoding step, sinks and recent window included (as the
+            authors' code: tau - 64 loaded + 32 sinks + 32 recent).
+        ratio: tau as a fraction of each prompt, instead of `budget`.
+        keep_factor: r, prompt tokens kept (in the store and on device) per token of tau (default 2, sec. 4.1
+            "r = 2 or 3").
+        n_sinks: first prompt tokens always attended (default 32, the authors' code).
+        window_size: SnapKV's observation window, also the recent window always attended (default 32).
+        kernel_size, pooling: SnapKV's scoring (see `SnapKVPress`).
+        offload_device: where the store lives (default "cpu"; pinned memory when the model is on CUDA).
+        max_sentence_tokens: longest sentence bucket; longer ones are cut (default 128, ~4x the paper's median
+            sentence of 25-30 tokens; only matters when mean + 2 std does not apply, e.g. one sentence).
+    """
+
+    tokenizer: Any = field(default=None, repr=False, compare=False, kw_only=False)
+    keep_factor: float = 2.0
+    n_sinks: int = 32
+    offload_device: str = "cpu"
+    max_sentence_tokens: int = 128
+
+    def __post_init__(self):
+        if self.tokenizer is None:
+            raise ValueError("SentencePress: tokenizer is required (the model's tokenizer, to find the prompt's "
+                             "sentences): SentencePress(tokenizer, budget=1024).")
+        if not (isinstance(self.keep_factor, (int, float)) and self.keep_factor >= 1):
+            raise ValueError(f"SentencePress: keep_factor must be a number >= 1 (r); got {self.keep_factor!r}.")
+        for name in ("n_sinks", "max_sentence_tokens"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= (0 if name == "n_sinks" else 1)):
+                raise ValueError(f"SentencePress: {name} must be an integer >= {0 if name == 'n_sinks' else 1}; "
+                                 f"got {value!r}.")
+        try:
+            torch.device(self.offload_device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"SentencePress: offload_device must be a torch device such as 'cpu'; got "
+                             f"{self.offload_device!r}.") from None
+        super().__post_init__()
+
+    def min_kept(self):
+        fixed = self.n_sinks + self.window_size
+        return fixed + 1, f"n_sinks={self.n_sinks} + window_size={self.window_size} + 1 loaded token"
+
+    def new_layer(self, layer_idx):
+        return SentenceLayer(self.offload_device)
+
+    def new_state(self, cache):
+        return SentenceState()
+
+    def before_forward(self, cache, input_ids):
+        if input_ids is None:
+            raise ValueError("SentencePress: needs input_ids (sentences are read from the tokens), not inputs_embeds.")
+        if cache.state.sentences is None:  # the prompt
+            cache.state.sentences = sentence_ids(self.tokenizer, input_ids, cache.input_valid,
+                                                 self.max_sentence_tokens)
+        else:
+            cache.state.closing = closes_sentence(self.tokenizer, input_ids[:, -1])
+
+    # --- prefill ---------------------------------------------------------------------------------------------
+    def compress(self, cache, layer, call):
+        taus = self.row_budgets(cache, *self.min_kept())
+        if self.keeps_everything(cache):
+            return
+        b, h, n, _ = layer.keys.shape
+        device, fixed = layer.keys.device, self.n_sinks + self.window_size
+        start = cache.prompt_start.to(device)[:, None]
+        index = torch.arange(n, device=device)
+        valid = call.valid()
+        resident = ((index >= start) & (index < start + self.n_sinks)) | (index >= n - self.window_size)
+        # Global prefilter (A.7): the best r * tau prompt tokens, summed over the heads; sinks and window apart.
+        scores = self.window_scores(cache, layer, call).sum(dim=1).masked_fill(resident | ~valid, float("-inf"))
+        kept = ((taus.double() * self.keep_factor).round().long() - fixed).to(device)
+        store = scores.sort(dim=-1, descending=True, stable=True).indices[:, : int(kept.max())]
+        in_store = (torch.arange(store.shape[1], device=device) < kept[:, None]) & scores.gather(1, store).isfinite()
+        store = torch.where(in_store, store, n).sort(dim=-1).values  # by position; n: an empty slot, last
+        in_store = store < n
+        store = store.clamp(max=n - 1)
+        self._fill_store(layer, store, in_store, cache.state.sentences.to(device))
+        # Device slots: the loaded region (filled at the first decoding step), then sinks + window.
+        layer.loaded = int(taus.max()) - fixed
+        keep = resident.nonzero()[:, 1].view(b, -1)  # every row has exactly n_sinks + window_size resident
+        loaded = keep.new_zeros(b, layer.loaded)
+        slots = torch.cat([loaded, keep], dim=1)[:, None].expand(b, h, -1)
+        layer.select(slots, torch.cat([torch.zeros_like(loaded, dtype=torch.bool), valid.gather(1, keep)], dim=1))
+        layer.query_sum = torch.zeros(b, call.module.config.num_attention_heads, layer.keys.shape[-1],
+                                      device=device, dtype=torch.float32)
+        layer.query_count = torch.zeros(b, device=device)
+        layer.row_loaded = (taus.to(device) - fixed).clamp(min=0)
+
+    @staticmethod
+    def _fill_store(layer, store, in_store, sentences):
+        """The prefiltered tokens' KV to the offload store; per sentence, the mean key of its kept tokens."""
+        b, h, _, d = layer.keys.shape
+        gather = store[:, None, :, None].expand(b, h, -1, d)
+        keys, values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        sentence = sentences.gather(1, store).masked_fill(~in_store, -1)
+        n_sentences = int(sentences.max()) + 1
+        slot = sentence.clamp(min=0)[:, None, :, None].expand(b, h, -1, d)
+        weight = in_store.to(keys.dtype)[:, None, :, None]
+        sums = keys.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, keys * weight)
+        counts = keys.new_zeros(b, n_sentences).scatter_add_(1, sentence.clamp(min=0), in_store.to(keys.dtype))
+        layer.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
+        pin = layer.offload_device.type == "cpu" and keys.is_cuda
+        layer.store_keys, layer.store_values = (t.to(layer.offload_device) for t in (keys, values))
+        if pin:
+            layer.store_keys, layer.store_values = layer.store_keys.pin_memory(), layer.store_values.pin_memory()
+        layer.store_positions, layer.store_sentence = store, sentence
+
+    # --- decoding --------------------------------------------------------------------------------------------
+    def before_attention(self, cache, layer, call):
+        if layer.store_keys is None:
+            return
+        start = time.perf_counter()
+        queries = call.queries().float()  # (b, heads, q, d)
+        valid = call.valid()
+        layer.query_sum += (queries * valid[:, None, :, None]).sum(dim=2)
+        layer.query_count += valid.sum(-1)
+        b, h = layer.keys.shape[:2]
+        mean = (layer.query_sum / layer.query_count.clamp(min=1)[:, None, None]).view(b, h, -1, queries.shape[-1])
+        similarity = mean.mean(dim=2)[:, :, None, :] @ layer.sentence_keys.float().transpose(-1, -2)  # (b,h,1,S)
+        similarity = similarity[:, :, 0]
+        sentence = layer.store_sentence[:, None, :].expand(b, h, -1)
+        scores = similarity.gather(-1, sentence.clamp(min=0)).masked_fill(sentence < 0, float("-inf"))
+        order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : layer.loaded]  # best sentences
+        # Rows with fewer stored tokens than slots: the same count of real slots on every head, fillers last.
+        count = torch.minimum(layer.row_loaded, (layer.store_sentence >= 0).sum(-1))[:, None]
+        rank = torch.arange(layer.loaded, device=order.device)
+        filler = layer.store_sentence.shape[1]
+        order = order.masked_fill(rank >= count[..., None], filler).sort(dim=-1).values  # by position
+        real = rank < count
+        cache.seconds["select"] += time.perf_counter() - start
+        if layer.selection is None or not torch.equal(order, layer.selection):  # else: already resident
+            start = time.perf_counter()
+            self._load(layer, order, real)
+            cache.seconds["load"] += time.perf_counter() - start
+            cache.counts["loaded_tokens"] += int(real.sum()) * h
+            cache.counts["loads"] += 1
+        cache.counts["selections"] += 1
+
+    @staticmethod
+    def _load(layer, order, real):
+        """One gather from the store and one copy into the loaded region, for every head of the layer."""
+        d = layer.keys.shape[-1]
+        order = order.clamp(max=layer.store_sentence.shape[1] - 1)
+        idx = order.to(layer.offload_device)[..., None].expand(*order.shape, d)
+        n = layer.loaded
+        layer.keys[:, :, :n].copy_(layer.store_keys.gather(2, idx), non_blocking=True)
+        layer.values[:, :, :n].copy_(layer.store_values.gather(2, idx), non_blocking=True)
+        layer.positions[:, :, :n] = layer.store_positions[:, None, :].expand(*order.shape[:2], -1).gather(-1, order)
+        layer.valid[:, :n] = real
+        layer.all_valid = bool(layer.valid.all())
+        layer.selection = order
+
+    def after_step(self, cache, layer, call):
+        closing = cache.state.closing
+        if layer.query_sum is not None and closing is not None and bool(closing.any()):
+            layer.query_sum[closing.to(layer.query_sum.device)] = 0.0  # a new sentence starts
+            layer.query_count[closing.to(layer.query_count.device)] = 0.0

@@ -1,0 +1,71 @@
+"""Sentences of a tokenized prompt, for presses that work sentence by sentence (SentenceKV).
+
+The token ids are decoded token by token (so every character belongs to exactly one token), nltk's Punkt
+algorithm finds the sentences of that text (trained on the text itself: unsupervised, nothing downloaded),
+blank lines end sentences too, and each token belongs to the sentence holding its last character. Tokens that
+merge punctuation with what follows (`.\\n`, `."`) therefore end their sentence. Sentences longer than the
+mean + 2 std of the prompt's sentence lengths (and any longer than `max_tokens`) are cut into equal pieces no
+longer than that (the SentenceKV paper's A.7 mitigation).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+from nltk.tokenize.punkt import PunktSentenceTokenizer
+
+_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+_CLOSING = re.compile(r"[.!?。！？][\"')\]]*\s*$|\n")
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def sentence_starts(text: str) -> np.ndarray:
+    """Character offsets where sentences start: Punkt's sentences, also split at blank lines."""
+    starts = [start for start, _ in PunktSentenceTokenizer(text).span_tokenize(text)] if text.strip() else []
+    starts += [m.end() for m in _BLANK_LINE.finditer(text)]
+    return np.unique(np.array([0, *starts], dtype=np.int64))
+
+
+def split_long(ids: np.ndarray, max_tokens: int | None) -> np.ndarray:
+    """Renumber sentences `ids` (consecutive, non-decreasing) so none is longer than mean + 2 std tokens
+    (nor `max_tokens`)."""
+    _, first, lengths = np.unique(ids, return_index=True, return_counts=True)
+    limit = lengths.mean() + 2 * lengths.std() if len(lengths) > 1 else np.inf
+    limit = min(limit, max_tokens or np.inf)
+    if limit == np.inf:
+        return ids
+    limit = max(1, int(limit))
+    offset = np.arange(len(ids)) - np.repeat(first, lengths)  # index of each token inside its sentence
+    pieces = -(-lengths // limit)  # pieces each sentence is cut into, of equal sizes
+    size = -(-lengths // pieces)
+    return np.repeat(np.cumsum(pieces) - pieces, lengths) + offset // np.repeat(size, lengths)
+
+
+def sentence_ids(tokenizer, input_ids: torch.Tensor, valid: torch.Tensor | None = None,
+                 max_tokens: int | None = None) -> torch.Tensor:
+    """Sentence index of every token `(batch, n)`, counted from 0 in each row; -1 for padding."""
+    out = torch.full(input_ids.shape, -1, dtype=torch.long)
+    if valid is None:
+        valid = torch.ones(input_ids.shape, dtype=torch.bool)
+    for row, (ids, real) in enumerate(zip(input_ids.tolist(), valid.cpu().tolist())):  # rows, not tokens
+        ids = [i for i, r in zip(ids, real) if r]
+        if not ids:
+            continue
+        texts = token_texts(tokenizer, ids)
+        ends = np.cumsum([len(t) for t in texts])
+        last_char = np.maximum(ends - 1, 0)  # an empty token joins the previous one
+        sentence = np.searchsorted(sentence_starts("".join(texts)), last_char, side="right") - 1
+        sentence = np.unique(sentence, return_inverse=True)[1]  # renumber 0.. without gaps
+        out[row, torch.tensor(real)] = torch.from_numpy(split_long(sentence, max_tokens))
+    return out.to(input_ids.device)
+
+
+def closes_sentence(tokenizer, token_ids: torch.Tensor) -> torch.Tensor:
+    """Whether each generated token `(batch,)` ends a sentence (final punctuation, or a line break)."""
+    texts = token_texts(tokenizer, token_ids.tolist())
+    return torch.tensor([bool(_CLOSING.search(t)) for t in texts], device=token_ids.device)
