@@ -76,12 +76,13 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     layer = p.new_layer(0)
     d, store = 4, 8
     layer.update(torch.zeros(1, 1, 16, d), torch.zeros(1, 1, 16, d))  # 4 loaded + 12 resident slots
-    layer.compressed, layer.loaded, layer.row_loaded = True, 4, torch.tensor([4])
+    layer.compressed, layer.loaded, layer.filler = True, 4, torch.zeros(1, 1, 4, dtype=torch.bool)
     keys = torch.zeros(1, 1, store, d)
     keys[..., :4, 0], keys[..., 4:, 1] = 1.0, 1.0  # sentence 0: direction e0, sentence 1: e1
     layer.store_keys, layer.store_values = keys, keys.clone()
     layer.store_positions = torch.arange(100, 100 + store)[None]
     layer.store_sentence = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    layer.slot_sentence = layer.store_sentence[:, None]
     layer.sentence_keys = torch.stack([keys[0, 0, 0], keys[0, 0, 4]])[None, None]
     layer.query_sum, layer.query_count = torch.zeros(1, 1, d), torch.zeros(1)
     cache = SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,

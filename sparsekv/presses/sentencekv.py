@@ -40,7 +40,8 @@ class SentenceLayer(KVLayer):
         self.query_sum: torch.Tensor | None = None  # (batch, heads, head_dim): the sentence being generated
         self.query_count: torch.Tensor | None = None  # (batch,)
         self.selection: torch.Tensor | None = None  # (batch, kv_heads, loaded) store slots now loaded
-        self.row_loaded: torch.Tensor | None = None  # (batch,) loaded slots each row may fill (tau - fixed)
+        self.filler: torch.Tensor | None = None  # (batch, 1, loaded) loaded slots a row cannot fill
+        self.slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
 
     def offloaded_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.store_keys, self.store_values) if t is not None]
@@ -153,7 +154,11 @@ class SentencePress(SnapKVPress):
         layer.query_sum = torch.zeros(b, call.module.config.num_attention_heads, layer.keys.shape[-1],
                                       device=device, dtype=torch.float32)
         layer.query_count = torch.zeros(b, device=device)
-        layer.row_loaded = (taus.to(device) - fixed).clamp(min=0)
+        # Rows with fewer stored tokens than slots: the same count of real slots on every head, fillers last.
+        count = torch.minimum(taus.to(device) - fixed, in_store.sum(-1))[:, None, None]
+        layer.filler = torch.arange(layer.loaded, device=device) >= count  # (b, 1, loaded)
+        n_sentences = layer.sentence_keys.shape[2]
+        layer.slot_sentence = layer.store_sentence.masked_fill(~in_store, n_sentences)[:, None].expand(b, h, -1)
 
     @staticmethod
     def _fill_store(layer, store, in_store, sentences):
@@ -167,7 +172,7 @@ class SentencePress(SnapKVPress):
         weight = in_store.to(keys.dtype)[:, None, :, None]
         sums = keys.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, keys * weight)
         counts = keys.new_zeros(b, n_sentences).scatter_add_(1, sentence.clamp(min=0), in_store.to(keys.dtype))
-        layer.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
+        layer.sentence_keys = (sums / counts.clamp(min=1)[:, None, :, None]).float()
         pin = layer.offload_device.type == "cpu" and keys.is_cuda
         layer.store_keys, layer.store_values = (t.to(layer.offload_device) for t in (keys, values))
         if pin:
@@ -185,17 +190,12 @@ class SentencePress(SnapKVPress):
         layer.query_count += valid.sum(-1)
         b, h = layer.keys.shape[:2]
         mean = (layer.query_sum / layer.query_count.clamp(min=1)[:, None, None]).view(b, h, -1, queries.shape[-1])
-        similarity = mean.mean(dim=2)[:, :, None, :] @ layer.sentence_keys.float().transpose(-1, -2)  # (b,h,1,S)
-        similarity = similarity[:, :, 0]
-        sentence = layer.store_sentence[:, None, :].expand(b, h, -1)
-        scores = similarity.gather(-1, sentence.clamp(min=0)).masked_fill(sentence < 0, float("-inf"))
+        similarity = mean.mean(dim=2)[:, :, None, :] @ layer.sentence_keys.transpose(-1, -2)  # (b, h, 1, S)
+        similarity = torch.cat([similarity[:, :, 0], similarity.new_full((b, h, 1), float("-inf"))], dim=-1)
+        scores = similarity.gather(-1, layer.slot_sentence)  # empty store slots point at the -inf column
         order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : layer.loaded]  # best sentences
-        # Rows with fewer stored tokens than slots: the same count of real slots on every head, fillers last.
-        count = torch.minimum(layer.row_loaded, (layer.store_sentence >= 0).sum(-1))[:, None]
-        rank = torch.arange(layer.loaded, device=order.device)
-        filler = layer.store_sentence.shape[1]
-        order = order.masked_fill(rank >= count[..., None], filler).sort(dim=-1).values  # by position
-        real = rank < count
+        order = order.masked_fill(layer.filler, layer.store_sentence.shape[1]).sort(dim=-1).values  # by position
+        real = ~layer.filler[:, 0]
         cache.seconds["select"] += time.perf_counter() - start
         if layer.selection is None or not torch.equal(order, layer.selection):  # else: already resident
             start = time.perf_counter()
@@ -208,13 +208,16 @@ class SentencePress(SnapKVPress):
     @staticmethod
     def _load(layer, order, real):
         """One gather from the store and one copy into the loaded region, for every head of the layer."""
-        d = layer.keys.shape[-1]
-        order = order.clamp(max=layer.store_sentence.shape[1] - 1)
-        idx = order.to(layer.offload_device)[..., None].expand(*order.shape, d)
-        n = layer.loaded
-        layer.keys[:, :, :n].copy_(layer.store_keys.gather(2, idx), non_blocking=True)
-        layer.values[:, :, :n].copy_(layer.store_values.gather(2, idx), non_blocking=True)
-        layer.positions[:, :, :n] = layer.store_positions[:, None, :].expand(*order.shape[:2], -1).gather(-1, order)
+        b, h, n = order.shape
+        size = layer.store_sentence.shape[1]
+        slots = order.clamp(max=size - 1)
+        # Rows of the flattened store: whole head_dim vectors, the fastest gather on CPU and GPU alike.
+        rows = (slots + torch.arange(b * h, device=order.device).view(b, h, 1) * size).view(-1)
+        rows = rows.to(layer.offload_device)
+        for store, resident in ((layer.store_keys, layer.keys), (layer.store_values, layer.values)):
+            loaded = store.view(b * h * size, -1).index_select(0, rows).view(b, h, n, -1)
+            resident[:, :, :n].copy_(loaded, non_blocking=True)
+        layer.positions[:, :, :n] = layer.store_positions.gather(1, slots.view(b, -1)).view(b, h, n)
         layer.valid[:, :n] = real
         layer.all_valid = bool(layer.valid.all())
         layer.selection = order
