@@ -4,8 +4,8 @@ The token ids are decoded token by token (so every character belongs to exactly 
 algorithm finds the sentences of that text (trained on the text itself: unsupervised, nothing downloaded),
 blank lines end sentences too, and each token belongs to the sentence holding its last character. Tokens that
 merge punctuation with what follows (`.\\n`, `."`) therefore end their sentence. Sentences longer than the
-mean + 2 std of the prompt's sentence lengths (and any longer than `max_tokens`) are cut into equal pieces no
-longer than that (the SentenceKV paper's A.7 mitigation).
+mean + 2 std of the prompt's sentence lengths (but at least `MIN_CUT` tokens), and any longer than `max_tokens`,
+are cut into equal pieces no longer than that (the SentenceKV paper's A.7 mitigation).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import numpy as np
 import torch
 from nltk.tokenize.punkt import PunktSentenceTokenizer
 
+# Sentences this short are never cut (about the paper's median sentence, 25-30 tokens, A.4): in a text of
+# near-identical sentences, mean + 2 std is barely above the mean and would cut every slightly longer one.
+MIN_CUT = 32
 _BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 _CLOSING = re.compile(r"[.!?。！？][\"')\]]*\s*$|\n")
 
@@ -31,11 +34,11 @@ def sentence_starts(text: str) -> np.ndarray:
     return np.unique(np.array([0, *starts], dtype=np.int64))
 
 
-def split_long(ids: np.ndarray, max_tokens: int | None) -> np.ndarray:
-    """Renumber sentences `ids` (consecutive, non-decreasing) so none is longer than mean + 2 std tokens
-    (nor `max_tokens`)."""
+def split_long(ids: np.ndarray, max_tokens: int | None, floor: int = MIN_CUT) -> np.ndarray:
+    """Renumber sentences `ids` (consecutive, non-decreasing) so none is longer than mean + 2 std tokens, or
+    `floor` when that is larger (nor `max_tokens`)."""
     _, first, lengths = np.unique(ids, return_index=True, return_counts=True)
-    limit = lengths.mean() + 2 * lengths.std() if len(lengths) > 1 else np.inf
+    limit = max(lengths.mean() + 2 * lengths.std(), floor) if len(lengths) > 1 else np.inf
     limit = min(limit, max_tokens or np.inf)
     if limit == np.inf:
         return ids

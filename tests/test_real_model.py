@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv import SnapKVPress
+from sparsekv import ChunkPress, SentencePress, SnapKVPress
 from sparsekv.niah import build_needle_prompt, score_answer
+from sparsekv.segment import sentence_ids, token_texts
 
 pytestmark = pytest.mark.slow
 
@@ -32,3 +33,23 @@ def test_press_at_ratio_one_is_identical_on_the_real_model(smollm2):
     with SnapKVPress(ratio=1.0)(model):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("name", ["chunkkv", "sentencekv"])
+def test_presses_find_the_needle_keeping_a_tenth(smollm2, name):
+    model, tokenizer = smollm2
+    ids, answer = build_needle_prompt(tokenizer, 2000, depth=0.5, seed=0)
+    press = ChunkPress(ratio=0.1) if name == "chunkkv" else SentencePress(tokenizer, ratio=0.1)
+    with press(model):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert score_answer(tokenizer.decode(out[0, ids.shape[1] :]), answer)
+
+
+def test_the_needle_is_one_sentence_with_the_real_tokenizer(smollm2):
+    _, tokenizer = smollm2
+    ids, answer = build_needle_prompt(tokenizer, 1000, depth=0.5, seed=2)
+    which = sentence_ids(tokenizer, ids)[0]
+    texts = token_texts(tokenizer, ids[0].tolist())
+    sentences = ["".join(t for t, s in zip(texts, which.tolist()) if s == k) for k in range(int(which.max()) + 1)]
+    holding = [s for s in sentences if answer in s]
+    assert len(holding) == 1 and "special magic number" in holding[0] and len(holding[0]) < 200

@@ -43,12 +43,15 @@ def test_no_punctuation_at_all_is_cut_by_max_tokens():
 
 def test_one_huge_sentence_is_cut_at_mean_plus_two_std():
     ids = torch.tensor([0] * 10 + [1] * 12 + [2] * 11 + [3] * 200 + [4] * 9 + [5] * 10 + [6] * 10 + [7] * 12)
-    cut = split_long(ids.numpy(), None)
+    cut = split_long(ids.numpy(), None, floor=1)
     lengths = torch.bincount(torch.from_numpy(cut))
     assert cut.tolist() == sorted(cut.tolist()) and len(lengths) > 8
     limit = torch.tensor([10, 12, 11, 200, 9, 10, 10, 12.0])
     limit = limit.mean() + 2 * limit.std(unbiased=False)
     assert lengths.max() <= limit and lengths[:3].tolist() == [10, 12, 11]  # normal sentences untouched
+    assert split_long(ids.numpy(), None).max() > 7  # the default floor of 32 tokens: the 200 still cut
+    uniform = torch.tensor([0] * 10 + [1] * 10 + [2] * 10 + [3] * 25)
+    assert split_long(uniform.numpy(), None).tolist() == uniform.tolist()  # 25 tokens: under the floor
 
 
 def test_padding_is_minus_one_and_rows_independent():
