@@ -8,6 +8,7 @@
 from .cache import CacheStats, KVLayer, SparseCache
 from .press import Press, ScorerPress
 from .presses import (
+    CHESSPress,
     ChunkKVPress,
     ChunkPress,
     H2OPress,
@@ -20,6 +21,7 @@ from .presses import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CHESSPress",
     "CacheStats",
     "ChunkKVPress",
     "ChunkPress",

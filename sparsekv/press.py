@@ -15,6 +15,7 @@ What the core asks of a press (override what the method needs; every default doe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +36,8 @@ class Press:
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
     ratio: float | None = field(default=None, kw_only=True)
     budget: int | None = field(default=None, kw_only=True)
+    # Options of a press that set its budget instead of ratio / budget (e.g. CHESS's preset).
+    budget_options: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         if (self.ratio is None) == (self.budget is None):

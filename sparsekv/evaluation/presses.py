@@ -3,6 +3,8 @@
 
 "full" (None) is the uncompressed cache, the reference every sweep includes. A press may be given with options
 after its name, `name:key=value[:key=value...]`, e.g. `chunkkv:reuse_layers=1` (values are Python literals).
+Options that set a press's budget themselves (its `budget_options`, e.g. `chess:preset=aggressive`) replace the
+sweep's ratio, which then only labels the run.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from .. import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
+from .. import CHESSPress, ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from ..press import Press
 
 PRESSES: dict[str, type[Press] | None] = {
@@ -20,6 +22,7 @@ PRESSES: dict[str, type[Press] | None] = {
     "streamingllm": StreamingLLMPress,
     "chunkkv": ChunkPress,
     "sentencekv": SentencePress,
+    "chess": CHESSPress,
 }
 
 
@@ -54,6 +57,8 @@ def make_press(spec: str, ratio: float | None = None, budget: int | None = None,
         return None
     if "tokenizer" in {f.name for f in dataclasses.fields(cls)}:
         kwargs["tokenizer"] = tokenizer
+    if any(key in kwargs for key in cls.budget_options):  # e.g. chess:preset=aggressive: the sweep's ratio is a label
+        ratio = budget = None
     try:
         return cls(ratio=ratio, budget=budget, **kwargs)
     except TypeError as err:

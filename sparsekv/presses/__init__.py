@@ -1,5 +1,6 @@
 """One press per file, each reading like its paper's algorithm."""
 
+from .chess import CHESSPress
 from .chunkkv import ChunkPress
 from .h2o import H2OPress
 from .sentencekv import SentencePress
@@ -10,5 +11,5 @@ ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress
 
 __all__ = [
-    "ChunkKVPress", "ChunkPress", "H2OPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress",
+    "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress",
 ]

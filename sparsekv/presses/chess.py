@@ -1,0 +1,385 @@
+"""CHESS (2026, "CHESS: Context-aware Hierarchical Efficient Semantic Selection for Long-Context LLM Inference")."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import KVLayer
+from ..press import Press
+
+# Table 1: retention ratios (rho_g, rho_c, rho_p) of grids, chunks and pages.
+PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
+RESELECT = ("uncertainty", "always", "never")
+
+
+def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy and varentropy (nats, nats^2) of the next-token distributions `logits` `(..., vocab)`."""
+    logp = logits.float().log_softmax(dim=-1)
+    p = logp.exp()
+    logp = torch.where(p > 0, logp, 0.0)  # 0 * log 0 = 0
+    entropy = -(p * logp).sum(-1)
+    varentropy = (p * logp.square()).sum(-1) - entropy.square()
+    return entropy, varentropy.clamp(min=0.0)
+
+
+@dataclass
+class CHESSState:
+    """Per generation: the page vectors of every compressed layer and the current selection.
+
+    Attributes:
+        page_sums: `(batch, pages, D)` float32, per page the sum of its keys; columns are (layer, KV head, dim)
+            flattened (eq. 1), each layer filling its own columns. Page k of a row covers the tokens
+            `start + k * page_size ...` of that row, `start` its first real token, so padding is in no page.
+        columns: layer index -> its first column in `page_sums`.
+        selected: `(batch, pages)` pages chosen by the last selection (Algorithm 1).
+        slots: `(batch, n)` store slots of the working context, `valid` `(batch, n)` which are real.
+        built_at: `(batch,)` complete pages when the working context was last built (the window slides when
+            a page completes).
+        version: bumped at each new working context; a layer whose copy is older re-gathers it.
+    """
+
+    page_sums: torch.Tensor | None = None
+    columns: dict[int, int] = field(default_factory=dict)
+    selected: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    built_at: torch.Tensor | None = None
+    version: int = 0
+    steps: int = 0
+
+
+class CHESSLayer(KVLayer):
+    """A layer whose whole KV stays in a store; attention reads a working context gathered from it.
+
+    `store_keys` / `store_values` `(batch, kv_heads, capacity, head_dim)` hold every token at its slot (slot =
+    index in the left-padded sequence), written in place as tokens arrive. `keys` / `values` (what attention
+    reads) are the whole store until the first selection, then the working context: the gathered pages,
+    to which each new token is appended until the context is rebuilt.
+    """
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.store_keys = self.store_values = None
+        self.version = 0  # of the working context it holds
+
+    def update(self, key_states, value_states, *args, valid=None, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, q = self.logical_len, key_states.shape[-2]
+        self._write(key_states, value_states, start)
+        if self.compressed:  # a working context: append to it
+            return super().update(key_states, value_states, valid=valid)
+        # No selection yet: attention reads the store itself (views, no copy).
+        valid = torch.ones(key_states.shape[0], q, dtype=torch.bool, device=self.device) if valid is None else valid
+        self.all_valid = self.all_valid and bool(valid.all())
+        self.logical_len = end = start + q
+        b, h = key_states.shape[:2]
+        self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
+        self.positions = torch.arange(end, device=self.device).expand(b, h, end)
+        self.valid = torch.cat([self.valid, valid.to(self.device, torch.bool)], dim=-1)
+        return self.keys, self.values
+
+    def _write(self, keys, values, start):
+        end = start + keys.shape[-2]
+        if self.store_keys is None or end > self.store_keys.shape[-2]:
+            capacity = max(end + 256, 2 * (0 if self.store_keys is None else self.store_keys.shape[-2]))
+            b, h, _, d = keys.shape
+            grown_keys, grown_values = keys.new_empty(b, h, capacity, d), values.new_empty(b, h, capacity, d)
+            if self.store_keys is not None:
+                grown_keys[:, :, :start], grown_values[:, :, :start] = self.store_keys[:, :, :start], \
+                    self.store_values[:, :, :start]
+            self.store_keys, self.store_values = grown_keys, grown_values
+        self.store_keys[:, :, start:end] = keys
+        self.store_values[:, :, start:end] = values
+
+    def gather(self, slots: torch.Tensor, valid: torch.Tensor, version: int) -> None:
+        """Make the working context the store slots `slots` `(batch, n)` (the same for every KV head)."""
+        b, h, _, d = self.store_keys.shape
+        index = slots[:, None, :, None].expand(b, h, -1, d)
+        self.keys = self.store_keys.gather(2, index)
+        self.values = self.store_values.gather(2, index)
+        self.positions = slots[:, None, :].expand(b, h, -1).clone()
+        self.valid = valid
+        self.all_valid = bool(valid.all())
+        self.compressed = True
+        self.version = version
+
+    def reset(self):
+        self.__init__(self.layer_idx)
+
+    def held_tensors(self):
+        if not self.is_initialized:
+            return []
+        if self.keys.data_ptr() == self.store_keys.data_ptr():  # the working context is a view of the store
+            return [self.store_keys, self.store_values, self.valid]
+        return super().held_tensors() + [self.store_keys, self.store_values]
+
+
+@dataclass(kw_only=True)
+class CHESSPress(Press):
+    """Select, at each decoding step, the pages of the context attention reads; keep every page.
+
+    Nothing is evicted: the KV of every token stays in a page-aligned store (pages of `page_size` tokens), and
+    what changes is the working context attention reads (sec. 3). Each page has a vector, the mean of its keys
+    flattened over all compressed layers and KV heads (eq. 1), kept up to date as decoding fills pages; chunks
+    (`chunk_pages` consecutive pages) and grids (`grid_chunks` consecutive chunks) average their children
+    (eq. 2). The anchor is the mean vector of the recent window's pages (eq. 3); every grid, chunk and page is
+    scored by its dot product with the anchor in one matrix product (eq. 4), and Algorithm 1 keeps, top-down,
+    the grids above the `1 - rho_g` quantile, the chunks of kept grids above the `1 - rho_c` quantile of those,
+    then the pages of kept chunks above the `1 - rho_p` quantile of those. One selection per sequence serves
+    every layer. Attention reads sink pages + selected pages + window pages + the current partial page.
+
+    The selection is made after the prompt, then again only after a step whose next-token distribution is
+    uncertain (sec. 3.3): entropy above `entropy_threshold` and varentropy above `varentropy_threshold` (the
+    upper-right region of Fig. 4). In between, the gathered working context is kept and each new token is
+    appended to it; it is re-gathered (cost: its size, never the context's) when the window slides past a
+    completed page.
+
+    Choices the paper leaves open (sparsekv's): sink and window pages are attended always and are not
+    candidates of the selection, so the ratios apply to the other pages; chunk and grid vectors average their
+    candidate children only; the hierarchy is aligned to each row's first token; thresholds without
+    calibration are the 99th percentiles measured with `calibrate` on the offline SmolLM2-135M-Instruct over
+    the text of the three papers sparsekv implements (6.74 nats, 12.4 nats^2; Qwen2.5-0.5B-Instruct gives 6.43
+    and 13.2); a re-selection requires both thresholds crossed.
+
+    Give one of `preset`, `ratios` or `ratio`.
+
+    Args:
+        preset: "conservative" (0.9, 0.9, 0.9), "moderate" (0.8, 0.7, 0.7) or "aggressive" (0.5, 0.2, 0.1),
+            Table 1.
+        ratios: (rho_g, rho_c, rho_p), fractions of grids, chunks of kept grids and pages of kept chunks
+            selected, each in (0, 1].
+        ratio: the fraction of candidate pages selected, split evenly over the three levels
+            (rho = ratio ** (1 / 3) each; sparsekv's shorthand, to sweep CHESS on the same axis as other presses).
+        page_size: tokens per page (default 32, sec. 5.1).
+        chunk_pages: pages per chunk (default 4; the paper gives no value).
+        grid_chunks: chunks per grid (default 4; the paper gives no value).
+        sink_pages: first pages always attended (default 1).
+        window_pages: most recent complete pages always attended, and the anchor (default 2).
+        reselect: "uncertainty" (sec. 3.3, default), "always" (every step), or "never" (after the prompt only).
+        reselect_every: re-select every N decoding steps instead (the fixed schedule of Appendix C).
+        entropy_threshold, varentropy_threshold: uncertainty triggers, in nats and nats^2 (see `calibrate`).
+    """
+
+    preset: str | None = None
+    ratios: tuple[float, float, float] | None = None
+    budget_options: ClassVar[tuple[str, ...]] = ("preset", "ratios")
+    page_size: int = 32
+    chunk_pages: int = 4
+    grid_chunks: int = 4
+    sink_pages: int = 1
+    window_pages: int = 2
+    reselect: str = "uncertainty"
+    reselect_every: int | None = None
+    entropy_threshold: float = 6.7
+    varentropy_threshold: float = 12.4
+
+    def __post_init__(self):
+        name = type(self).__name__
+        given = [k for k in ("preset", "ratios", "ratio") if getattr(self, k) is not None]
+        if len(given) != 1 or self.budget is not None:
+            raise ValueError(f"{name}: give exactly one of preset ({', '.join(PRESETS)}), ratios=(rho_g, rho_c, "
+                             f"rho_p) or ratio (fraction of pages selected, 0 < ratio <= 1); budget is not "
+                             f"supported (CHESS budgets are nested ratios); got {given or 'none'}"
+                             f"{', budget' if self.budget is not None else ''}.")
+        if self.preset is not None:
+            if self.preset not in PRESETS:
+                raise ValueError(f"{name}: preset must be one of {', '.join(PRESETS)}; got {self.preset!r}.")
+            self.ratios = PRESETS[self.preset]
+        elif self.ratio is not None:
+            if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio <= 1):
+                raise ValueError(f"{name}: ratio must be in (0, 1] (fraction of pages selected); got {self.ratio!r}.")
+            self.ratios = (self.ratio ** (1 / 3),) * 3
+        ratios = tuple(self.ratios) if isinstance(self.ratios, (tuple, list)) else ()
+        if len(ratios) != 3 or not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
+            raise ValueError(f"{name}: ratios must be three fractions (rho_g, rho_c, rho_p), each in (0, 1]; "
+                             f"got {self.ratios!r}.")
+        self.ratios = ratios
+        for key, low in (("page_size", 1), ("chunk_pages", 1), ("grid_chunks", 1), ("sink_pages", 0),
+                         ("window_pages", 1)):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and value >= low):
+                raise ValueError(f"{name}: {key} must be an integer >= {low}; got {value!r}.")
+        if self.reselect not in RESELECT:
+            raise ValueError(f"{name}: reselect must be one of {', '.join(RESELECT)}; got {self.reselect!r}.")
+        if self.reselect_every is not None and not (isinstance(self.reselect_every, int) and self.reselect_every >= 1):
+            raise ValueError(f"{name}: reselect_every must be an integer >= 1 (decoding steps); got "
+                             f"{self.reselect_every!r}.")
+        for key in ("entropy_threshold", "varentropy_threshold"):
+            if not (isinstance(getattr(self, key), (int, float)) and getattr(self, key) >= 0):
+                raise ValueError(f"{name}: {key} must be a number >= 0; got {getattr(self, key)!r}.")
+
+    def new_layer(self, layer_idx):
+        return CHESSLayer(layer_idx)
+
+    def new_state(self, cache):
+        ranks = [i for i, layer in enumerate(cache.layers) if isinstance(layer, CHESSLayer)]
+        return CHESSState(columns={i: r for r, i in enumerate(ranks)})
+
+    # --- page vectors (eq. 1), kept up to date -----------------------------------------------------------------
+    def compress(self, cache, layer, call):
+        self._accumulate(cache, layer, 0)
+
+    def after_step(self, cache, layer, call):
+        self._accumulate(cache, layer, layer.logical_len - call.q_len)
+
+    def _accumulate(self, cache, layer, start):
+        """Add the keys of store slots `start:` of this layer to their pages' sums."""
+        state, end = cache.state, layer.logical_len
+        b, h, _, d = layer.store_keys.shape
+        first = cache.prompt_start.to(layer.device)[:, None]
+        pages = -(-(end - int(first.min())) // self.page_size)
+        if state.page_sums is None or pages > state.page_sums.shape[1]:
+            grown = torch.zeros(b, pages + 64, len(state.columns) * h * d, device=layer.device)
+            if state.page_sums is not None:
+                grown[:, : state.page_sums.shape[1]] = state.page_sums
+            state.page_sums = grown
+        slots = torch.arange(start, end, device=layer.device)[None, :]
+        page = (slots - first).div(self.page_size, rounding_mode="floor")  # (b, q); < 0: padding
+        keys = layer.store_keys[:, :, start:end].permute(0, 2, 1, 3).reshape(b, end - start, h * d).float()
+        keys = keys * (page >= 0)[..., None]
+        column = state.columns[layer.layer_idx] * h * d
+        state.page_sums[:, :, column: column + h * d].scatter_add_(
+            1, page.clamp(min=0)[..., None].expand(-1, -1, h * d), keys)
+
+    # --- selection (Algorithm 1) and the working context ---------------------------------------------------------
+    def on_logits(self, cache, logits):
+        state = cache.state
+        if state.page_sums is None:
+            return
+        start = time.perf_counter()
+        layer = next(layer for layer in cache.layers if isinstance(layer, CHESSLayer))
+        lengths = layer.logical_len - cache.prompt_start.to(layer.device)  # real tokens per row
+        complete = lengths.div(self.page_size, rounding_mode="floor")
+        if state.selected is None:
+            trigger = torch.ones_like(lengths, dtype=torch.bool)
+        else:
+            state.steps += 1
+            trigger = self.triggers(logits[:, -1], state.steps)
+        if bool(trigger.any()):
+            fresh = self.select(state.page_sums, lengths)[-1]
+            state.selected = fresh if state.selected is None else torch.where(
+                trigger[:, None], fresh, pad_pages(state.selected, fresh.shape[1]))
+            cache.counts["selections"] += int(trigger.sum())
+        if bool(trigger.any()) or not torch.equal(complete, state.built_at):
+            state.slots, state.valid = self.working_context(state.selected, lengths, cache.prompt_start)
+            state.built_at = complete
+            state.version += 1
+            cache.counts["rebuilds"] += 1
+        cache.seconds["select"] += time.perf_counter() - start
+
+    def triggers(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """`(batch,)` which rows re-select after decoding step `step`, from their next-token `logits`."""
+        b = logits.shape[0]
+        if self.reselect_every is not None:
+            return torch.full((b,), step % self.reselect_every == 0, device=logits.device)
+        if self.reselect != "uncertainty":
+            return torch.full((b,), self.reselect == "always", device=logits.device)
+        entropy, varentropy = uncertainty(logits)
+        return (entropy > self.entropy_threshold) & (varentropy > self.varentropy_threshold)
+
+    def page_roles(self, lengths: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(batch, pages)` masks: pages always attended (sinks, window, partial page) and candidate pages."""
+        page = torch.arange(n_pages, device=lengths.device)[None, :]
+        complete = lengths.div(self.page_size, rounding_mode="floor")[:, None]
+        exists = page * self.page_size < lengths[:, None]
+        always = exists & ((page < self.sink_pages) | (page >= complete - self.window_pages))
+        return always, exists & ~always
+
+    def select(self, page_sums: torch.Tensor, lengths: torch.Tensor):
+        """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
+        `(batch, pages)`, for rows of `lengths` real tokens."""
+        n_pages = int((-(-lengths // self.page_size)).max())
+        always, candidate = self.page_roles(lengths, n_pages)
+        counts = (lengths[:, None] - torch.arange(n_pages, device=lengths.device) * self.page_size)
+        vectors = page_sums[:, :n_pages] / counts.clamp(1, self.page_size)[..., None]  # eq. 1: page means
+        window = always & (torch.arange(n_pages, device=lengths.device) >= self.sink_pages)
+        anchor = masked_mean(vectors, window, dim=1)  # eq. 3
+        # Eq. 2: chunks and grids average their candidate children (pages padded to whole grids).
+        per_grid = self.chunk_pages * self.grid_chunks
+        pad = -n_pages % per_grid
+        b, _, dim = vectors.shape
+        grid_pages = torch.nn.functional.pad(vectors, (0, 0, 0, pad)).view(b, -1, self.chunk_pages, dim)
+        page_in = torch.nn.functional.pad(candidate, (0, pad)).view(b, -1, self.chunk_pages)
+        chunks, chunk_in = masked_mean(grid_pages, page_in, dim=2), page_in.any(-1)  # (b, C, dim)
+        grids_of = chunks.view(b, -1, self.grid_chunks, dim)
+        chunk_in_grid = chunk_in.view(b, -1, self.grid_chunks)
+        grids, grid_in = masked_mean(grids_of, chunk_in_grid, dim=2), chunk_in_grid.any(-1)
+        n_grids, n_chunks = grids.shape[1], chunks.shape[1]
+        scores = (torch.cat([grids, chunks, vectors], dim=1) @ anchor[:, :, None])[..., 0]  # eq. 4: one GEMM
+        s_grid, s_chunk, s_page = scores.split([n_grids, n_chunks, n_pages], dim=1)
+        rho_g, rho_c, rho_p = self.ratios
+        keep_grid = top_fraction(s_grid, grid_in, rho_g)
+        active = keep_grid.repeat_interleave(self.grid_chunks, dim=1) & chunk_in
+        keep_chunk = top_fraction(s_chunk, active, rho_c)
+        active = keep_chunk.repeat_interleave(self.chunk_pages, dim=1)[:, :n_pages] & candidate
+        return keep_grid, keep_chunk, top_fraction(s_page, active, rho_p)
+
+    def working_context(self, selected, lengths, prompt_start):
+        """Store slots `(batch, n)` and validity of sink + selected + window pages + the partial page."""
+        n_pages = int((-(-lengths // self.page_size)).max())
+        always, _ = self.page_roles(lengths, n_pages)
+        attended = always | pad_pages(selected, n_pages)
+        # Attended pages first, in order; then tokens of each page, those past the row's end invalid.
+        order = torch.where(attended, torch.arange(n_pages, device=attended.device), n_pages).sort(dim=-1).values
+        width = int(attended.sum(-1).max())
+        pages = order[:, :width]
+        offsets = pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)
+        offsets = offsets.flatten(1)  # (b, width * page_size) token index within the row
+        valid = (pages < n_pages).repeat_interleave(self.page_size, dim=1) & (offsets < lengths[:, None])
+        slots = (offsets + prompt_start.to(offsets.device)[:, None]).where(valid, 0)
+        return slots, valid
+
+    def before_attention(self, cache, layer, call):
+        state = cache.state
+        if state.slots is not None and layer.version != state.version:
+            start = time.perf_counter()
+            layer.gather(state.slots, state.valid, state.version)
+            cache.seconds["gather"] += time.perf_counter() - start
+
+    # --- calibration (sec. 3.3) ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def calibrate(self, model, tokenizer, texts, percentile: float = 99.0, max_tokens: int = 1024):
+        """Set the re-selection thresholds to the `percentile` of entropy and varentropy over `texts`.
+
+        Each text (at most `max_tokens` tokens) runs through `model` uncompressed; every position's next-token
+        distribution counts. Returns the press (its two thresholds set), e.g. `CHESSPress(...).calibrate(...)`.
+        """
+        if not (0 < percentile < 100):
+            raise ValueError(f"percentile must be in (0, 100); got {percentile!r}.")
+        if isinstance(texts, str) or not len(texts):
+            raise ValueError("texts: give a non-empty list of calibration texts.")
+        entropies, varentropies = [], []
+        for text in tqdm(texts, desc="calibrating CHESS thresholds", leave=False):
+            ids = tokenizer(text, return_tensors="pt").input_ids[:, :max_tokens].to(model.device)
+            entropy, varentropy = uncertainty(model(ids, use_cache=False).logits[0])
+            entropies.append(entropy)
+            varentropies.append(varentropy)
+        q = percentile / 100
+        self.entropy_threshold = float(torch.cat(entropies).quantile(q))
+        self.varentropy_threshold = float(torch.cat(varentropies).quantile(q))
+        return self
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """Mean of `x` over `dim` where `mask` (x's shape without the last dimension) is True; 0 where none is."""
+    weight = mask.to(x.dtype)[..., None]
+    return (x * weight).sum(dim) / weight.sum(dim).clamp(min=1)
+
+
+def top_fraction(scores: torch.Tensor, active: torch.Tensor, rho: float) -> torch.Tensor:
+    """Active entries at or above the `1 - rho` quantile of the active scores of their row (Algorithm 1)."""
+    masked = scores.masked_fill(~active, float("nan"))
+    threshold = masked.nanquantile(1 - rho, dim=-1, keepdim=True)
+    return active & (scores >= threshold)
+
+
+def pad_pages(mask: torch.Tensor, n_pages: int) -> torch.Tensor:
+    """`mask` `(batch, pages)` padded with False to `n_pages` pages (pages that appeared since it was made)."""
+    return torch.nn.functional.pad(mask, (0, n_pages - mask.shape[1]))

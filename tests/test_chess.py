@@ -1,0 +1,229 @@
+"""CHESSPress: page vectors, Algorithm 1's hierarchy, the working context, uncertainty-triggered re-selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import greedy, make_model, make_tokenizer, prompt
+
+from sparsekv import CHESSPress
+from sparsekv.presses.chess import PRESETS, CHESSLayer, uncertainty
+
+B = 8  # page size of the tests
+
+
+def chess(**kw):
+    return CHESSPress(**{"page_size": B, "chunk_pages": 2, "grid_chunks": 2, **kw})
+
+
+def chess_layers(cache):
+    return [layer for layer in cache.layers if isinstance(layer, CHESSLayer)]
+
+
+def decode(model, ids, steps, mask=None):
+    """Prefill `ids` then `steps` greedy steps by hand; yields the cache after each forward."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    out = model(ids, attention_mask=mask)
+    cache = out.past_key_values
+    yield cache
+    for _ in range(steps):
+        token = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        out = model(token, past_key_values=cache, attention_mask=mask)
+        yield cache
+
+
+def test_page_vectors_equal_a_recomputation_after_many_steps():
+    model = make_model("qwen2", "sdpa")
+    n, steps = 75, 50  # pages fill and complete while decoding
+    ids = torch.zeros(2, n, dtype=torch.long)
+    mask = torch.zeros(2, n, dtype=torch.long)
+    ids[0], mask[0] = prompt(n)[0], 1
+    ids[1, 20:], mask[1, 20:] = prompt(n - 20, seed=1)[0], 1
+    with chess(preset="aggressive", reselect="always")(model):
+        for cache in decode(model, ids, steps, mask):
+            pass
+    sums, total = cache.state.page_sums, n + steps
+    for row, start in enumerate([0, 20]):
+        for layer in chess_layers(cache):
+            keys = layer.store_keys[row, :, start:total].transpose(0, 1).flatten(1)  # (tokens, heads * dim)
+            expected = torch.stack([page.sum(0) for page in keys.split(B)])
+            column = cache.state.columns[layer.layer_idx] * keys.shape[1]
+            got = sums[row, : len(expected), column: column + keys.shape[1]]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            assert not sums[row, len(expected):].any()
+
+
+def test_hierarchy_masks_obey_parents_and_fractions_match_the_ratios():
+    press = CHESSPress(ratios=(0.5, 0.4, 0.3), page_size=4, chunk_pages=3, grid_chunks=4, sink_pages=1,
+                       window_pages=2)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([4 * 96, 4 * 96 - 2])  # 96 pages; the second row's last one partial
+    sums = torch.randn(2, 100, 16, generator=g) * 4
+    grids, chunks, pages = press.select(sums, lengths)
+    _, candidate = press.page_roles(lengths, 96)
+    assert not (pages & ~candidate).any()  # sinks, window and partial pages are never candidates
+    chunk_of_page = torch.arange(96) // 3
+    assert not (pages & ~chunks[:, chunk_of_page]).any()  # a page only in a kept chunk
+    assert not (chunks & ~grids[:, torch.arange(chunks.shape[1]) // 4]).any()  # a chunk only in a kept grid
+    for row in range(2):
+        n_grids = 8  # 96 pages / 12 pages per grid
+        assert abs(int(grids[row].sum()) - 0.5 * n_grids) <= 1
+        in_grids = candidate[row].view(-1, 3).any(-1) & grids[row].repeat_interleave(4)
+        assert abs(int(chunks[row].sum()) - 0.4 * int(in_grids.sum())) <= 1
+        in_chunks = candidate[row] & chunks[row].repeat_interleave(3)
+        assert abs(int(pages[row].sum()) - 0.3 * int(in_chunks.sum())) <= 1
+        assert pages[row].sum() >= 1
+
+
+def test_the_selection_follows_the_anchor():
+    """Pages whose vector is the anchor's direction win at every level."""
+    press = CHESSPress(preset="aggressive", page_size=4, chunk_pages=2, grid_chunks=2)
+    lengths = torch.tensor([4 * 40])
+    sums = torch.randn(1, 40, 8, generator=torch.Generator().manual_seed(1)) * 0.1
+    sums[0, 38:40] = torch.tensor([4.0] + [0.0] * 7)  # the window's pages point along the first axis
+    sums[0, 13] = torch.tensor([40.0] + [0.0] * 7)  # one page far along it
+    _, _, pages = press.select(sums, lengths)
+    assert pages[0].nonzero().flatten().tolist() == [13]
+
+
+def test_working_context_is_sinks_selected_window_and_partial_page_and_is_shared_by_all_layers():
+    model = make_model("llama", "sdpa")
+    n = 8 * 20 + 3
+    press = chess(preset="aggressive", reselect="never", sink_pages=1, window_pages=2)
+    with press(model):
+        for step, cache in enumerate(decode(model, prompt(n), 30)):
+            if step == 0:
+                continue
+            total = n + step - 1  # tokens stored before this step's token
+            complete = total // B
+            layers = chess_layers(cache)
+            selected = cache.state.selected[0].nonzero().flatten()
+            expected = set(range(B))  # the sink page
+            for page in [*selected.tolist(), *range(complete - 2, complete)]:
+                expected |= set(range(page * B, page * B + B))
+            expected |= set(range(complete * B, total))  # the partial page
+            expected |= {total}  # this step's token, appended
+            for layer in layers:
+                assert set(layer.positions[0, 0].tolist()) == expected, step
+                assert torch.equal(layer.positions, layers[0].positions)  # one selection for every layer
+                # sink + selected + window + partial page (invalid slots past its end), + tokens since the rebuild
+                assert layer.keys.shape[-2] <= (1 + len(selected) + 2 + 2) * B  # does not grow
+            assert cache.counts["selections"] == 1  # reselect="never": the first decoding step's only
+
+
+def test_working_context_holds_the_stored_keys():
+    model = make_model("phi3", "eager")
+    with chess(ratio=0.3, reselect="always")(model):
+        for cache in decode(model, prompt(90), 12):
+            pass
+    for layer in chess_layers(cache):
+        slots = layer.positions[:, :1, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+        assert torch.equal(layer.keys, layer.store_keys.gather(2, slots))
+        assert torch.equal(layer.values, layer.store_values.gather(2, slots))
+    stats = cache.stats()
+    assert stats.logical_tokens == 102 and max(stats.attended_tokens) < 102
+    assert stats.counts["selections"] == 13 and stats.seconds["select"] > 0
+
+
+def test_uncertainty_of_constructed_distributions():
+    vocab = 1000
+    uniform = torch.zeros(vocab)
+    entropy, varentropy = uncertainty(uniform)
+    assert entropy.item() == pytest.approx(torch.log(torch.tensor(vocab)).item(), rel=1e-5)
+    assert varentropy.item() == pytest.approx(0.0, abs=1e-4)
+    peaked = torch.full((vocab,), -1e4)
+    peaked[0] = 0.0
+    assert uncertainty(peaked)[0].item() == pytest.approx(0.0, abs=1e-5)
+    # Half the mass on one token, half spread: entropy and varentropy both high.
+    mixed = torch.full((vocab,), 0.0)
+    mixed[0] = torch.log(torch.tensor(vocab - 1.0))
+    p = mixed.softmax(-1)
+    entropy, varentropy = uncertainty(mixed)
+    assert entropy.item() == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
+    assert varentropy.item() == pytest.approx(float((p * p.log().square()).sum() - entropy.square()), rel=1e-4)
+
+
+def test_reselection_happens_exactly_when_both_thresholds_are_crossed():
+    model = make_model("llama", "sdpa")
+    vocab = model.config.vocab_size
+    mixed = torch.zeros(1, 1, vocab)
+    mixed[..., 0] = torch.log(torch.tensor(vocab - 1.0))  # high entropy and high varentropy
+    entropy, varentropy = (float(x) for x in uncertainty(mixed[0, 0]))
+    calm = torch.full((1, 1, vocab), -1e4)
+    calm[..., 5] = 0.0
+    uniform = torch.zeros(1, 1, vocab)  # high entropy, no varentropy
+    press = chess(preset="moderate", entropy_threshold=entropy - 0.01, varentropy_threshold=varentropy - 0.01)
+    with press(model):
+        cache = model(prompt(60)).past_key_values
+        assert cache.counts["selections"] == 1  # always after the prompt
+        for logits, selects in [(calm, False), (mixed, True), (uniform, False), (calm, False), (mixed, True)]:
+            before = cache.counts["selections"]
+            press.on_logits(cache, logits)
+            assert cache.counts["selections"] - before == int(selects)
+    strict = chess(preset="moderate", entropy_threshold=entropy + 0.01, varentropy_threshold=0.0)
+    with strict(model):
+        cache = model(prompt(60)).past_key_values
+        strict.on_logits(cache, mixed)
+        assert cache.counts["selections"] == 1
+
+
+def test_reselect_every_n_steps_and_always():
+    model = make_model("llama", "sdpa")
+    for press, expected in [(chess(preset="moderate", reselect_every=4), 1 + 20 // 4),
+                            (chess(preset="moderate", reselect="always"), 21),
+                            (chess(preset="moderate", reselect="never"), 1)]:
+        with press(model):
+            for cache in decode(model, prompt(70), 20):
+                pass
+        assert cache.counts["selections"] == expected, press
+
+
+def test_batch_rows_select_independently_with_padding():
+    model = make_model("qwen3", "sdpa")
+    rows = [prompt(60, seed=3)[0], prompt(100, seed=4)[0]]
+    ids = torch.zeros(2, 100, dtype=torch.long)
+    mask = torch.zeros(2, 100, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, 100 - len(row):], mask[i, 100 - len(row):] = row, 1
+    with chess(preset="aggressive", reselect="always")(model):
+        batched = greedy(model, ids, mask, new=12)
+        for i, row in enumerate(rows):
+            assert torch.equal(batched[i, 100:], greedy(model, row[None], new=12)[0, len(row):]), f"row {i}"
+
+
+def test_calibrate_sets_the_percentiles():
+    model, tok = make_model("llama", "sdpa", vocab_size=420), make_tokenizer()  # the tokenizer's ids
+    texts = ["The committee reviewed every proposal. " * 6, "Dr. Smith paid $3.50 for it. " * 5]
+    press = chess(preset="aggressive")
+    assert press.calibrate(model, tok, texts, percentile=90) is press
+    entropy, varentropy = zip(*(uncertainty(model(tok(t, return_tensors="pt").input_ids).logits[0]) for t in texts))
+    assert press.entropy_threshold == pytest.approx(float(torch.cat(entropy).quantile(0.9)), rel=1e-5)
+    assert press.varentropy_threshold == pytest.approx(float(torch.cat(varentropy).quantile(0.9)), rel=1e-5)
+    with pytest.raises(ValueError, match="percentile"):
+        press.calibrate(model, tok, texts, percentile=100)
+
+
+def test_presets_are_table_1():
+    assert CHESSPress(preset="aggressive").ratios == PRESETS["aggressive"] == (0.5, 0.2, 0.1)
+    assert CHESSPress(ratio=0.125).ratios == pytest.approx((0.5, 0.5, 0.5))
+    assert "preset='moderate'" in repr(CHESSPress(preset="moderate"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "exactly one of preset"),
+    ({"preset": "aggressive", "ratio": 0.1}, "exactly one of preset"),
+    ({"budget": 100}, "budget is not supported"),
+    ({"preset": "wild"}, "preset must be one of"),
+    ({"ratios": (0.5, 0.2)}, "ratios must be three fractions"),
+    ({"ratios": (0.5, 0.0, 0.1)}, "ratios must be three fractions"),
+    ({"ratio": 1.5}, r"ratio must be in \(0, 1\]"),
+    ({"preset": "moderate", "page_size": 0}, "page_size must be an integer >= 1"),
+    ({"preset": "moderate", "window_pages": 0}, "window_pages must be an integer >= 1"),
+    ({"preset": "moderate", "reselect": "sometimes"}, "reselect must be one of"),
+    ({"preset": "moderate", "reselect_every": 0}, "reselect_every must be an integer >= 1"),
+    ({"preset": "moderate", "entropy_threshold": -1}, "entropy_threshold must be a number >= 0"),
+])
+def test_bad_configuration_raises(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CHESSPress(**kwargs)
