@@ -144,6 +144,14 @@ class KVLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("A compressed sparsekv cache cannot be cropped: evicted tokens are gone.")
 
+    def resident_slots(self) -> int:
+        """KV slots this layer holds on its device per sequence."""
+        return self.keys.shape[-2]
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """The keys and values this layer holds on its device."""
+        return [self.keys, self.values]
+
     def offloaded_tensors(self) -> list[torch.Tensor]:
         """KV this layer keeps in an offload store, off the attention's device (none here)."""
         return []
@@ -262,11 +270,12 @@ class SparseCache(Cache):
                 resident.append(0)
                 attended.append(0.0)
                 continue
+            ours = isinstance(layer, KVLayer)
             n = layer.keys.shape[-2]
-            resident.append(n)
+            resident.append(layer.resident_slots() if ours else n)
             valid = getattr(layer, "valid", None)
             attended.append(float(valid.sum(-1).float().mean()) if valid is not None else float(n))
-            kv += layer.keys.nbytes + layer.values.nbytes
+            kv += sum(t.nbytes for t in (layer.kv_tensors() if ours else [layer.keys, layer.values]))
             tensors = layer.held_tensors() if hasattr(layer, "held_tensors") else [layer.keys, layer.values]
             for t in tensors:
                 by_device[str(t.device)] += t.nbytes

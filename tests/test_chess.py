@@ -124,6 +124,12 @@ def test_working_context_holds_the_stored_keys():
     stats = cache.stats()
     assert stats.logical_tokens == 102 and max(stats.attended_tokens) < 102
     assert stats.counts["selections"] == 13 and stats.seconds["select"] > 0
+    # Selection, not eviction: every token stays resident, and the KV bytes count the store.
+    layers = chess_layers(cache)
+    assert set(stats.resident_tokens[layer.layer_idx] for layer in layers) == {102}
+    store = sum(layer.store_keys.nbytes + layer.store_values.nbytes for layer in layers)
+    working = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    assert stats.kv_bytes == store + working
 
 
 def test_uncertainty_of_constructed_distributions():

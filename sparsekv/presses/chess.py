@@ -113,10 +113,20 @@ class CHESSLayer(KVLayer):
     def reset(self):
         self.__init__(self.layer_idx)
 
+    def resident_slots(self):
+        return self.logical_len  # the store holds every token
+
+    def viewing_store(self) -> bool:
+        return self.keys.data_ptr() == self.store_keys.data_ptr()  # no selection yet: views, no copy
+
+    def kv_tensors(self):
+        working = [] if self.viewing_store() else [self.keys, self.values]
+        return working + [self.store_keys, self.store_values]
+
     def held_tensors(self):
         if not self.is_initialized:
             return []
-        if self.keys.data_ptr() == self.store_keys.data_ptr():  # the working context is a view of the store
+        if self.viewing_store():  # positions are an expanded arange: nothing held
             return [self.store_keys, self.store_values, self.valid]
         return super().held_tensors() + [self.store_keys, self.store_values]
 
