@@ -18,6 +18,8 @@ from .presses import (
     StreamingLLMPress,
 )
 
+from .pipeline import SparseKVPipeline  # registers pipeline("sparsekv-text-generation")
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -33,5 +35,6 @@ __all__ = [
     "SentencePress",
     "SnapKVPress",
     "SparseCache",
+    "SparseKVPipeline",
     "StreamingLLMPress",
 ]

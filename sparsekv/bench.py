@@ -34,7 +34,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .cache import SparseCache
-from .demo import cache_footprint, timed_generate
+from .cache import cache_footprint
+from .demo import timed_generate
 from .table import format_table
 from .evaluation.presses import PRESSES, make_press
 from .niah import build_needle_prompt

@@ -309,3 +309,15 @@ class SparseCache(Cache):
             union = (a | b).sum(-1).clamp(min=1)
             pairs.append(float(((a & b).sum(-1) / union).mean()))
         return pairs
+
+
+def cache_footprint(cache) -> tuple[float, float, int]:
+    """`(resident tokens, attended tokens, KV bytes)` of a `SparseCache` or a transformers `DynamicCache`:
+    tokens per sequence, mean over layers (a full cache attends everything it holds)."""
+    if isinstance(cache, SparseCache):
+        stats = cache.stats()
+        n = len(stats.resident_tokens)
+        return sum(stats.resident_tokens) / n, sum(stats.attended_tokens) / n, stats.kv_bytes
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    tokens = sum(layer.keys.shape[-2] for layer in layers) / max(len(layers), 1)
+    return tokens, tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)

@@ -12,23 +12,11 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from . import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
-from .cache import SparseCache
+from .cache import cache_footprint
 from .niah import build_needle_prompt, score_answer
 from .table import format_table
 
 PRESSES = {"SnapKV": SnapKVPress, "H2O": H2OPress, "StreamingLLM": StreamingLLMPress, "ChunkKV": ChunkPress}
-
-
-def cache_footprint(cache) -> tuple[float, float, int]:
-    """`(resident tokens, attended tokens, KV bytes)` of a `SparseCache` or a transformers `DynamicCache`:
-    tokens per sequence, mean over layers (a full cache attends everything it holds)."""
-    if isinstance(cache, SparseCache):
-        stats = cache.stats()
-        n = len(stats.resident_tokens)
-        return sum(stats.resident_tokens) / n, sum(stats.attended_tokens) / n, stats.kv_bytes
-    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-    tokens = sum(layer.keys.shape[-2] for layer in layers) / max(len(layers), 1)
-    return tokens, tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
 
 
 class StepClock(LogitsProcessor):

@@ -130,3 +130,13 @@ class Prefill:
             out[done, ids.shape[1]:] = pad
         return out
 
+
+
+@torch.no_grad()
+def generate_from(model, press, cache, input_ids: torch.Tensor, generation_config: GenerationConfig) -> torch.Tensor:
+    """`model.generate` on `input_ids` `(1, L)` whose first tokens `cache` already holds (a context prefilled
+    under `press`, None: no press), decoding under `press`. `cache` itself is left as it is: a copy is decoded,
+    so several continuations can start from one compressed context."""
+    with nullcontext() if press is None or model in _active else press(model):
+        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                              past_key_values=copy.deepcopy(cache), generation_config=generation_config)

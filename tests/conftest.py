@@ -48,6 +48,11 @@ ARCHITECTURES = {
     ),
 }
 IMPLEMENTATIONS = ("eager", "sdpa")
+# A minimal chat template for the in-memory tokenizers.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def make_model(arch: str = "llama", impl: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:

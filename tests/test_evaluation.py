@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_model, save_model_dir
+from conftest import CHAT_TEMPLATE, make_model, save_model_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -26,10 +26,6 @@ from sparsekv.evaluation.tasks import read_haystack
 from sparsekv.evaluation.words import WORDS
 from sparsekv.evaluation.tasks import INTRO, NOISE
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")

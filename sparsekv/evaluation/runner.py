@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..models import MODELS
-from ..prefill import Prefill
+from ..prefill import Prefill, generate_from
 from .hub import is_hub_task, load_hub_task
 from .presses import PRESSES, make_press, parse_press
 from .prompts import Prompt, Sample, encode
@@ -158,10 +158,8 @@ def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int, 
     ids = prompt.ids.to(model.device)
     if mode == "agnostic" and press is not None:
         prefill = prefill or Prefill.run(model, prompt.context_ids.to(model.device))
-        cache = prefill.compress(press)  # the context compressed alone, then the question read from it
-        with press(model):
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                 generation_config=generation)
+        # The context compressed alone, then the question read from it.
+        out = generate_from(model, press, prefill.compress(press), ids, generation)
     else:
         out = (prefill or Prefill.run(model, ids)).generate(press, generation)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
