@@ -292,18 +292,24 @@ class SparseCache(Cache):
             layer_jaccard=self.layer_jaccard(),
         )
 
-    def layer_jaccard(self) -> list[float]:
-        """Jaccard similarity of the prompt tokens kept by each pair of adjacent compressed layers."""
+    def prompt_kept(self) -> dict[int, torch.Tensor]:
+        """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens (left-padded positions)
+        whose KV the layer's attention reads now (for selecting presses, at the last step)."""
         if self.prompt_lengths is None:
-            return []
+            return {}
         width = int(self.prompt_start[0] + self.prompt_lengths[0])  # the prompt's padded length
-        kept = []
-        for layer in self.layers:
+        kept = {}
+        for i, layer in enumerate(self.layers):
             if not isinstance(layer, KVLayer) or not layer.is_initialized:
                 continue
             inside = (layer.positions < width) & layer.valid[:, None, :]
             mask = torch.zeros(*layer.positions.shape[:2], width + 1, dtype=torch.bool, device=layer.positions.device)
-            kept.append(mask.scatter_(-1, layer.positions.where(inside, width), True)[..., :width])
+            kept[i] = mask.scatter_(-1, layer.positions.where(inside, width), True)[..., :width]
+        return kept
+
+    def layer_jaccard(self) -> list[float]:
+        """Jaccard similarity of the prompt tokens kept by each pair of adjacent compressed layers."""
+        kept = list(self.prompt_kept().values())
         pairs = []
         for a, b in zip(kept, kept[1:]):
             union = (a | b).sum(-1).clamp(min=1)

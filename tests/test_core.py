@@ -256,3 +256,15 @@ def test_deepcopy_shares_the_press_and_copies_the_state():
     assert clone.press is press
     assert clone.layers[0].keys is not cache.layers[0].keys
     assert torch.equal(clone.layers[0].keys, cache.layers[0].keys)
+
+
+def test_prompt_kept_marks_what_attention_reads():
+    model = make_model("llama", "sdpa")
+    with StreamingLLMPress(budget=12, n_sinks=4)(model):
+        out = greedy(model, prompt(40), new=1, return_dict_in_generate=True)
+    kept = out.past_key_values.prompt_kept()
+    expected = torch.zeros(40, dtype=torch.bool)
+    expected[:4] = expected[-8:] = True  # the sinks and the most recent tokens
+    assert sorted(kept) == [0, 1, 2]
+    for mask in kept.values():
+        assert mask.shape == (1, 2, 40) and bool((mask == expected).all())
