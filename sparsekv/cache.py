@@ -46,6 +46,7 @@ class KVLayer(CacheLayerMixin):
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty tensors of the first forward's dtype, device, batch and heads."""
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
         self.keys = key_states.new_empty(b, h, 0, d)
@@ -120,9 +121,11 @@ class KVLayer(CacheLayerMixin):
 
     # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
     def get_seq_length(self) -> int:
+        """Tokens seen (not held): new tokens get their absolute positions from it."""
         return self.logical_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """`(kv_length, kv_offset)` of the mask: the physical slots held, then the new tokens."""
         return self.slots + query_length, 0
 
     def get_max_length(self) -> int:
@@ -264,6 +267,7 @@ class SparseCache(Cache):
             self.prompt_start = (query_length - self.prompt_lengths).clamp(min=0)
 
     def stats(self) -> CacheStats:
+        """What the cache holds now (see `CacheStats`)."""
         resident, attended, by_device, kv = [], [], defaultdict(int), 0
         for layer in self.layers:
             if layer.keys is None or not layer.is_initialized:

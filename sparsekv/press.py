@@ -60,19 +60,23 @@ class Press:
 
     # --- extension points -------------------------------------------------------------------------------------
     def new_layer(self, layer_idx: int) -> KVLayer:
+        """The cache layer of full-attention layer `layer_idx` (a `KVLayer` subclass for presses with per-layer
+        state, e.g. CHESS's page store)."""
         return KVLayer()
 
     def new_state(self, cache: SparseCache):
+        """The press's cross-layer state for one generation, kept in `cache.state` (never on the press)."""
         return None
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        pass
+        """After attention ran over the prompt in `layer`: compress it (`layer.keep` / `select` / `evict`).
+        `call` rebuilds queries and attention rows on demand."""
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        pass
+        """After attention in `layer` on each forward that follows the prompt (decoding steps)."""
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        pass
+        """Before attention in `layer` on each decoding step: change what the layer attends (selection presses)."""
 
     @property
     def selects_before_attention(self) -> bool:
@@ -80,10 +84,10 @@ class Press:
         return type(self).before_attention is not Press.before_attention
 
     def on_logits(self, cache: SparseCache, logits: torch.Tensor) -> None:
-        pass
+        """After each model forward, with its next-token `logits` `(batch, q, vocab)` (q may be 1)."""
 
     def before_forward(self, cache: SparseCache, input_ids: torch.Tensor | None) -> None:
-        pass
+        """Before each model forward, with its token ids (None when the model gets embeddings)."""
 
     @property
     def reads_input_ids(self) -> bool:
