@@ -1,9 +1,9 @@
 """Does CHESS's key-key affinity (eq. 4) find the needle? Rank of the needle's page among the candidate pages.
 
-For needle prompts at several depths, the prompt runs once under `CHESSPress`; the script then scores every
-candidate page against the anchor as the press does (eq. 1-4) and prints where the page holding the needle's
-number ranks (0 = best), next to the number of pages a preset selects. Also shown, for comparison only (not
-what the press does): the rank with page vectors and anchor centred on the mean candidate page.
+For needle prompts at several depths, the prompt runs once under `CHESSPress` for each way of building the
+page vectors (keys before or after RoPE) and scoring them (centred or eq. 4 as written); the script scores
+every candidate page against the anchor as the press does and prints where the page holding the needle's
+number ranks (0 = best), and whether the press selected it.
 
     PYTHONPATH=. python benchmarks/chess_affinity.py --model smollm2-135m --length 4096 --depths 0.1,0.5,0.9
 """
@@ -14,6 +14,7 @@ import argparse
 import bisect
 
 import torch
+from tqdm.auto import tqdm
 
 from sparsekv import CHESSPress
 from sparsekv.evaluation.prompts import encode
@@ -22,39 +23,32 @@ from sparsekv.models import load_model
 from sparsekv.presses.chess import masked_mean
 from sparsekv.table import format_table
 
+VARIANTS = [(True, True), (True, False), (False, True), (False, False)]  # (pre_rope, centre)
+
 
 def needle_token(tokenizer, prompt_ids: torch.Tensor, answer: str) -> int:
     """Index of the first token of the needle's number in `prompt_ids` (its first occurrence)."""
-    text = tokenizer.decode(prompt_ids[0])
-    char = text.index(answer)
     ids = prompt_ids[0].tolist()
+    char = tokenizer.decode(ids).index(answer)
     # Bisect: the most tokens whose decoded text ends at or before the number.
     return bisect.bisect_right(range(len(ids) + 1), char, key=lambda i: len(tokenizer.decode(ids[:i]))) - 1
 
 
 @torch.no_grad()
-def needle_rank(model, tokenizer, press: CHESSPress, length: int, depth: float, seed: int = 0) -> dict:
-    sample = niah_single(tokenizer, length, seed=seed, depth=depth)
-    ids = encode(tokenizer, sample).ids
+def needle_rank(model, ids: torch.Tensor, page: int, press: CHESSPress) -> tuple[int, bool]:
+    """Rank of page `page` among the candidates after the prompt `ids`, and whether the press selected it."""
     with press(model):
         out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
-    state, n = out.past_key_values.state, ids.shape[1]
-    lengths = torch.tensor([n])
-    n_pages = -(-n // press.page_size)
+    state, lengths = out.past_key_values.state, torch.tensor([ids.shape[1]])
+    n_pages = -(-ids.shape[1] // press.page_size)
     counts = (lengths[:, None] - torch.arange(n_pages) * press.page_size).clamp(1, press.page_size)
-    vectors = (state.page_sums[:, :n_pages] / counts[..., None])[0]
+    vectors = state.page_sums[:, :n_pages] / counts[..., None]
     always, candidate = press.page_roles(lengths, n_pages)
-    window = (always & (torch.arange(n_pages) >= press.sink_pages))[0]
-    anchor, candidate = vectors[window].mean(0), candidate[0]
-    page = needle_token(tokenizer, ids, sample.answers[0]) // press.page_size
-    centre = masked_mean(vectors[None], candidate[None], dim=1)[0]
-
-    def rank(scores):
-        return int((scores.masked_fill(~candidate, float("-inf")) > scores[page]).sum())
-
-    return {"depth": depth, "page": page, "candidates": int(candidate.sum()),
-            "selected": int(state.selected[0].sum()), "needle selected": str(bool(state.selected[0, page])),
-            "rank eq. 4": rank(vectors @ anchor), "rank centred": rank((vectors - centre) @ (anchor - centre))}
+    if press.centre:
+        vectors = vectors - masked_mean(vectors, candidate, dim=1)[:, None]
+    anchor = masked_mean(vectors, always & (torch.arange(n_pages) >= press.sink_pages), dim=1)
+    scores = (vectors @ anchor[..., None])[0, :, 0].masked_fill(~candidate[0], float("-inf"))
+    return int((scores > scores[page]).sum()), bool(state.selected[0, page])
 
 
 def main(argv=None):
@@ -65,11 +59,20 @@ def main(argv=None):
     parser.add_argument("--preset", default="aggressive")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
-    press = CHESSPress(preset=args.preset, reselect="never")
-    rows = [needle_rank(model, tokenizer, press, args.length, float(d)) for d in args.depths.split(",")]
-    columns = [(k, k, ".2f" if k == "depth" else "") for k in rows[0]]
-    print(f"{args.model}, {args.length} tokens, {press!r}")
-    print(format_table(rows, columns))
+    rows = []
+    for depth in tqdm([float(d) for d in args.depths.split(",")], desc="depths"):
+        sample = niah_single(tokenizer, args.length, seed=0, depth=depth)
+        ids = encode(tokenizer, sample).ids
+        row = {"depth": depth, "needle page": needle_token(tokenizer, ids, sample.answers[0]) // 32,
+               "pages": -(-ids.shape[1] // 32)}
+        for pre_rope, centre in VARIANTS:
+            press = CHESSPress(preset=args.preset, reselect="never", pre_rope=pre_rope, centre=centre)
+            rank, selected = needle_rank(model, ids, row["needle page"], press)
+            label = f"{'pre' if pre_rope else 'post'}-RoPE{', centred' if centre else ''}"
+            row[label] = f"{rank}{' (selected)' if selected else ''}"
+        rows.append(row)
+    print(f"{args.model}, {args.length} tokens, preset {args.preset}: rank of the needle's page (0 = best)")
+    print(format_table(rows, [(k, k, ".2f" if k == "depth" else "") for k in rows[0]]))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,15 @@ def project_queries(module, hidden_states: torch.Tensor, position_embeddings) ->
     return torch.cat([q_rot * cos + _rotate_half(q_rot) * sin, q_pass], dim=-1)
 
 
+def unrotate(keys: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """`keys` `(batch, heads, tokens, head_dim)` as they were before RoPE, given the `(cos, sin)` that rotated
+    them (of exactly these tokens); partially rotary keys (Phi3) keep their other dims."""
+    cos, sin = (t.unsqueeze(1).to(keys.dtype) for t in position_embeddings)
+    rot = cos.shape[-1]
+    k_rot, k_pass = keys[..., :rot], keys[..., rot:]
+    return torch.cat([k_rot * cos - _rotate_half(k_rot) * sin, k_pass], dim=-1)
+
+
 def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention `(batch, kv_heads, group, q, k)` in float32, query heads grouped by their KV head.
 

@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from tqdm.auto import tqdm
 
+from ..attention import unrotate
 from ..cache import KVLayer
 from ..press import Press
 
@@ -152,7 +153,9 @@ class CHESSPress(Press):
     completed page.
 
     Choices the paper leaves open (sparsekv's): sink and window pages are attended always and are not
-    candidates of the selection, so the ratios apply to the other pages; chunk and grid vectors average their
+    candidates of the selection, so the ratios apply to the other pages; page vectors come from the keys before
+    RoPE and are centred before scoring (`pre_rope`, `centre` below; without them the needle's page ranks among
+    the last on the offline models, see `benchmarks/chess_affinity.py`); chunk and grid vectors average their
     candidate children only; the hierarchy is aligned to each row's first token; thresholds without
     calibration are the 99th percentiles measured with `calibrate` on the offline SmolLM2-135M-Instruct over
     the text of the three papers sparsekv implements (6.74 nats, 12.4 nats^2; Qwen2.5-0.5B-Instruct gives 6.43
@@ -175,6 +178,13 @@ class CHESSPress(Press):
         reselect: "uncertainty" (sec. 3.3, default), "always" (every step), or "never" (after the prompt only).
         reselect_every: re-select every N decoding steps instead (the fixed schedule of Appendix C).
         entropy_threshold, varentropy_threshold: uncertainty triggers, in nats and nats^2 (see `calibrate`).
+        pre_rope: page vectors from the keys before rotary position embedding (default True; the paper says
+            "Key states" without saying which). After RoPE, a page's mean key carries its position, and the
+            dot product of two pages depends on their distance more than on their content.
+        centre: subtract the mean candidate page vector from every page vector and the anchor before eq. 4
+            (default True; sparsekv's). Appendix B's argument assumes unrelated keys are near-orthogonal, but
+            the keys of real models share a large common component, and the raw dot product ranks pages by
+            their projection on it; centring restores the premise. False is eq. 4 as written.
     """
 
     preset: str | None = None
@@ -189,6 +199,8 @@ class CHESSPress(Press):
     reselect_every: int | None = None
     entropy_threshold: float = 6.7
     varentropy_threshold: float = 12.4
+    pre_rope: bool = True
+    centre: bool = True
 
     def __post_init__(self):
         name = type(self).__name__
@@ -216,6 +228,9 @@ class CHESSPress(Press):
             value = getattr(self, key)
             if not (isinstance(value, int) and value >= low):
                 raise ValueError(f"{name}: {key} must be an integer >= {low}; got {value!r}.")
+        for key in ("pre_rope", "centre"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{name}: {key} must be True or False; got {getattr(self, key)!r}.")
         if self.reselect not in RESELECT:
             raise ValueError(f"{name}: reselect must be one of {', '.join(RESELECT)}; got {self.reselect!r}.")
         if self.reselect_every is not None and not (isinstance(self.reselect_every, int) and self.reselect_every >= 1):
@@ -234,13 +249,13 @@ class CHESSPress(Press):
 
     # --- page vectors (eq. 1), kept up to date -----------------------------------------------------------------
     def compress(self, cache, layer, call):
-        self._accumulate(cache, layer, 0)
+        self._accumulate(cache, layer, 0, call)
 
     def after_step(self, cache, layer, call):
-        self._accumulate(cache, layer, layer.logical_len - call.q_len)
+        self._accumulate(cache, layer, layer.logical_len - call.q_len, call)
 
-    def _accumulate(self, cache, layer, start):
-        """Add the keys of store slots `start:` of this layer to their pages' sums."""
+    def _accumulate(self, cache, layer, start, call):
+        """Add the keys of store slots `start:` (this call's tokens) of this layer to their pages' sums."""
         state, end = cache.state, layer.logical_len
         b, h, _, d = layer.store_keys.shape
         first = cache.prompt_start.to(layer.device)[:, None]
@@ -252,7 +267,10 @@ class CHESSPress(Press):
             state.page_sums = grown
         slots = torch.arange(start, end, device=layer.device)[None, :]
         page = (slots - first).div(self.page_size, rounding_mode="floor")  # (b, q); < 0: padding
-        keys = layer.store_keys[:, :, start:end].permute(0, 2, 1, 3).reshape(b, end - start, h * d).float()
+        keys = layer.store_keys[:, :, start:end]
+        if self.pre_rope:
+            keys = unrotate(keys, call.position_embeddings)
+        keys = keys.permute(0, 2, 1, 3).reshape(b, end - start, h * d).float()
         keys = keys * (page >= 0)[..., None]
         column = state.columns[layer.layer_idx] * h * d
         state.page_sums[:, :, column: column + h * d].scatter_add_(
@@ -309,6 +327,8 @@ class CHESSPress(Press):
         always, candidate = self.page_roles(lengths, n_pages)
         counts = (lengths[:, None] - torch.arange(n_pages, device=lengths.device) * self.page_size)
         vectors = page_sums[:, :n_pages] / counts.clamp(1, self.page_size)[..., None]  # eq. 1: page means
+        if self.centre:  # remove the component every page shares, so that eq. 4 measures what sets pages apart
+            vectors = vectors - masked_mean(vectors, candidate, dim=1)[:, None]
         window = always & (torch.arange(n_pages, device=lengths.device) >= self.sink_pages)
         anchor = masked_mean(vectors, window, dim=1)  # eq. 3
         # Eq. 2: chunks and grids average their candidate children (pages padded to whole grids).
