@@ -11,12 +11,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from . import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
+from . import CHESSPress, ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from .cache import cache_footprint
 from .niah import build_needle_prompt, score_answer
 from .table import format_table
 
-PRESSES = {"SnapKV": SnapKVPress, "H2O": H2OPress, "StreamingLLM": StreamingLLMPress, "ChunkKV": ChunkPress}
+PRESSES = {"SnapKV": SnapKVPress, "H2O": H2OPress, "StreamingLLM": StreamingLLMPress, "ChunkKV": ChunkPress,
+           "CHESS": CHESSPress}
 
 
 class StepClock(LogitsProcessor):
@@ -87,25 +88,26 @@ def run_demo(
             _, prefill, _ = generate(1)
         except ValueError as err:  # a press that cannot work at this budget says why
             tqdm.write(f"{name}: skipped: {err}")
-            rows.append({"press": name, "answer": "(skipped)", "correct": "-", "resident": None, "kv_mb": None,
-                         "prefill_s": None, "decode_ms": None})
+            rows.append({"press": name, "answer": "(skipped)", "correct": "-", "resident": None, "attended": None,
+                         "kv_mb": None, "prefill_s": None, "decode_ms": None})
             continue
         out, total, stamps = generate(max_new_tokens)
         new_tokens = out.sequences.shape[1] - n_prompt
         text = " ".join(tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True).split())
-        resident, _, kv_bytes = cache_footprint(out.past_key_values)
+        resident, attended, kv_bytes = cache_footprint(out.past_key_values)
         rows.append({
             "press": name,
             "answer": text if len(text) <= 30 else text[:27] + "...",
             "correct": "yes" if score_answer(text, answer) else "no",
             "resident": resident,
+            "attended": attended,
             "kv_mb": kv_bytes / 2**20,
             "prefill_s": prefill,
             "decode_ms": 1000 * (total - stamps[0]) / (new_tokens - 1) if new_tokens > 1 else None,
         })
     columns = [
         ("press", "press", ""), ("answer", "answer", ""), ("correct", "correct", ""),
-        ("resident KV tokens", "resident", ".0f"), ("KV MB", "kv_mb", ".2f"),
+        ("resident KV tokens", "resident", ".0f"), ("attended", "attended", ".0f"), ("KV MB", "kv_mb", ".2f"),
         ("prefill s", "prefill_s", ".2f"), ("decode ms/token", "decode_ms", ".1f"),
     ]
     print(format_table(rows, columns))
