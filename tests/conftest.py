@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -20,6 +21,17 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+# The notebooks (collected from notebooks/ by nbmake) run with small settings; they load the offline SmolLM2.
+# Set here, not in a notebooks/conftest.py, whose module name would shadow this one for `from conftest import`.
+os.environ.setdefault("SPARSEKV_NOTEBOOK_FAST", "1")  # read by each notebook; the kernel inherits it
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
+
 
 VOCAB = 256
 COMMON = dict(
