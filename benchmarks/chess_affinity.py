@@ -20,7 +20,6 @@ from sparsekv import CHESSPress
 from sparsekv.evaluation.prompts import encode
 from sparsekv.evaluation.tasks import niah_single
 from sparsekv.models import load_model
-from sparsekv.presses.chess import masked_mean
 from sparsekv.table import format_table
 
 VARIANTS = [(True, True), (True, False), (False, True), (False, False)]  # (pre_rope, centre)
@@ -39,15 +38,9 @@ def needle_rank(model, ids: torch.Tensor, page: int, press: CHESSPress) -> tuple
     """Rank of page `page` among the candidates after the prompt `ids`, and whether the press selected it."""
     with press(model):
         out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
-    state, lengths = out.past_key_values.state, torch.tensor([ids.shape[1]])
-    n_pages = -(-ids.shape[1] // press.page_size)
-    counts = (lengths[:, None] - torch.arange(n_pages) * press.page_size).clamp(1, press.page_size)
-    vectors = state.page_sums[:, :n_pages] / counts[..., None]
-    always, candidate = press.page_roles(lengths, n_pages)
-    if press.centre:
-        vectors = vectors - masked_mean(vectors, candidate, dim=1)[:, None]
-    anchor = masked_mean(vectors, always & (torch.arange(n_pages) >= press.sink_pages), dim=1)
-    scores = (vectors @ anchor[..., None])[0, :, 0].masked_fill(~candidate[0], float("-inf"))
+    state = out.past_key_values.state
+    vectors, anchor, candidate = press.page_vectors(state.page_sums, torch.tensor([ids.shape[1]]))
+    scores = (vectors @ anchor[..., None])[0, :, 0].masked_fill(~candidate[0], float("-inf"))  # eq. 4
     return int((scores > scores[page]).sum()), bool(state.selected[0, page])
 
 

@@ -320,9 +320,9 @@ class CHESSPress(Press):
         always = exists & ((page < self.sink_pages) | (page >= complete - self.window_pages))
         return always, exists & ~always
 
-    def select(self, page_sums: torch.Tensor, lengths: torch.Tensor):
-        """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
-        `(batch, pages)`, for rows of `lengths` real tokens."""
+    def page_vectors(self, page_sums: torch.Tensor, lengths: torch.Tensor):
+        """Page vectors `(batch, pages, D)` (eq. 1, centred if `centre`), the anchor `(batch, D)` (eq. 3) and
+        the candidate pages `(batch, pages)`, for rows of `lengths` real tokens."""
         n_pages = int((-(-lengths // self.page_size)).max())
         always, candidate = self.page_roles(lengths, n_pages)
         counts = (lengths[:, None] - torch.arange(n_pages, device=lengths.device) * self.page_size)
@@ -330,7 +330,13 @@ class CHESSPress(Press):
         if self.centre:  # remove the component every page shares, so that eq. 4 measures what sets pages apart
             vectors = vectors - masked_mean(vectors, candidate, dim=1)[:, None]
         window = always & (torch.arange(n_pages, device=lengths.device) >= self.sink_pages)
-        anchor = masked_mean(vectors, window, dim=1)  # eq. 3
+        return vectors, masked_mean(vectors, window, dim=1), candidate
+
+    def select(self, page_sums: torch.Tensor, lengths: torch.Tensor):
+        """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
+        `(batch, pages)`, for rows of `lengths` real tokens."""
+        vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
+        n_pages = vectors.shape[1]
         # Eq. 2: chunks and grids average their candidate children (pages padded to whole grids).
         per_grid = self.chunk_pages * self.grid_chunks
         pad = -n_pages % per_grid
