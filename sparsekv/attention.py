@@ -34,19 +34,16 @@ def project_queries(module, hidden_states: torch.Tensor, position_embeddings) ->
     q = q.view(b, n, -1, d).transpose(1, 2)
     if hasattr(module, "q_norm"):
         q = module.q_norm(q)
-    cos, sin = (t.unsqueeze(1) for t in position_embeddings)
-    rot = cos.shape[-1]  # partial rotary (Phi3) rotates the first `rot` dims only
-    q_rot, q_pass = q[..., :rot], q[..., rot:]
-    return torch.cat([q_rot * cos + _rotate_half(q_rot) * sin, q_pass], dim=-1)
+    return rotate(q, position_embeddings)
 
 
-def unrotate(keys: torch.Tensor, position_embeddings) -> torch.Tensor:
-    """`keys` `(batch, heads, tokens, head_dim)` as they were before RoPE, given the `(cos, sin)` that rotated
-    them (of exactly these tokens); partially rotary keys (Phi3) keep their other dims."""
-    cos, sin = (t.unsqueeze(1).to(keys.dtype) for t in position_embeddings)
+def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:
+    """RoPE on `x` `(batch, heads, tokens, head_dim)` with the `(cos, sin)` of exactly these tokens; `inverse`
+    undoes it (keys as they were before RoPE). Partial rotary (Phi3) rotates the first dims only."""
+    cos, sin = (t.unsqueeze(1).to(x.dtype) for t in position_embeddings)
     rot = cos.shape[-1]
-    k_rot, k_pass = keys[..., :rot], keys[..., rot:]
-    return torch.cat([k_rot * cos - _rotate_half(k_rot) * sin, k_pass], dim=-1)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * (-sin if inverse else sin), x_pass], dim=-1)
 
 
 def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

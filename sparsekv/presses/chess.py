@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from tqdm.auto import tqdm
 
-from ..attention import unrotate
+from ..attention import rotate
 from ..cache import KVLayer
 from ..press import Press
 
@@ -269,7 +269,7 @@ class CHESSPress(Press):
         page = (slots - first).div(self.page_size, rounding_mode="floor")  # (b, q); < 0: padding
         keys = layer.store_keys[:, :, start:end]
         if self.pre_rope:
-            keys = unrotate(keys, call.position_embeddings)
+            keys = rotate(keys, call.position_embeddings, inverse=True)
         keys = keys.permute(0, 2, 1, 3).reshape(b, end - start, h * d).float()
         keys = keys * (page >= 0)[..., None]
         column = state.columns[layer.layer_idx] * h * d
