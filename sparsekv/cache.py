@@ -16,6 +16,8 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 # Layer types sparsekv compresses; the others (e.g. Gemma3's sliding layers) keep transformers' own layer.
 COMPRESSED_LAYER_TYPES = ("full_attention",)
+# Free slots added when a layer's buffers are full: decoding copies its KV once every GROW steps (a page of CHESS).
+GROW = 32
 
 
 class KVLayer(CacheLayerMixin):
@@ -44,6 +46,7 @@ class KVLayer(CacheLayerMixin):
         self.logical_len = 0
         self.compressed = False
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
+        self._room: dict[str, torch.Tensor] = {}  # buffers with free slots behind the tensors of the same name
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty tensors of the first forward's dtype, device, batch and heads."""
@@ -66,14 +69,33 @@ class KVLayer(CacheLayerMixin):
         else:
             valid = valid.to(self.device, torch.bool)
             self.all_valid = self.all_valid and bool(valid.all())
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new_pos.expand(b, h, q)], dim=-1)
-        self.valid = torch.cat([self.valid, valid], dim=-1)
-        for name, t in self.extra.items():
-            self.extra[name] = torch.cat([t, t.new_zeros(b, h, q)], dim=-1)
+        self._append("keys", key_states)
+        self._append("values", value_states)
+        self._append("positions", new_pos.expand(b, h, q))
+        self._append("valid", valid)
+        for name in self.extra:
+            self._append(name, self.extra[name].new_zeros(b, h, q), self.extra)
         self.logical_len += q
         return self.keys, self.values
+
+    def _append(self, name: str, new: torch.Tensor, where: dict | None = None) -> None:
+        """Append `new` along the slot dimension of the tensor `name` (an attribute, or a key of `where`).
+
+        New slots are written in place into the free room behind the tensor when it has some; else (prompt, or
+        after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
+        layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does).
+        """
+        current = where[name] if where is not None else getattr(self, name)
+        dim = slot_dim(current)
+        if new.requires_grad or current.requires_grad:  # a differentiable forward: no in-place writes
+            grown = torch.cat([current, new], dim=dim)
+        else:
+            with torch.no_grad():  # the buffer may be a view made by press work (under no_grad)
+                grown = append_in_place(current, new, dim)
+        if where is not None:
+            where[name] = grown
+        else:
+            setattr(self, name, grown)
 
     # --- selection plumbing, used by presses -------------------------------------------------------------------
     def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
@@ -114,8 +136,8 @@ class KVLayer(CacheLayerMixin):
             t = getattr(self, name)
             t.scatter_(2, v[..., None].expand(*v.shape, t.shape[-1]), t[:, :, last:])
             setattr(self, name, t[:, :, :last])
-        self.positions = self.positions.scatter(-1, v, self.positions[..., last:])[..., :last]
-        self.extra = {n: t.scatter(-1, v, t[..., last:])[..., :last] for n, t in self.extra.items()}
+        self.positions = self.positions.scatter_(-1, v, self.positions[..., last:])[..., :last]
+        self.extra = {n: t.scatter_(-1, v, t[..., last:])[..., :last] for n, t in self.extra.items()}
         self.valid = self.valid[:, :last]
         self.compressed = True
 
@@ -152,8 +174,8 @@ class KVLayer(CacheLayerMixin):
         return self.keys.shape[-2]
 
     def kv_tensors(self) -> list[torch.Tensor]:
-        """The keys and values this layer holds on its device."""
-        return [self.keys, self.values]
+        """The keys and values this layer holds on its device (with their free room)."""
+        return [allocated(self.keys), allocated(self.values)]
 
     def offloaded_tensors(self) -> list[torch.Tensor]:
         """KV this layer keeps in an offload store, off the attention's device (none here)."""
@@ -163,7 +185,54 @@ class KVLayer(CacheLayerMixin):
         """Every tensor this layer holds, for memory accounting."""
         if not self.is_initialized:
             return []
-        return [self.keys, self.values, self.positions, self.valid, *self.extra.values()]
+        return [allocated(t) for t in (self.keys, self.values, self.positions, self.valid, *self.extra.values())]
+
+
+def slot_dim(t: torch.Tensor) -> int:
+    """The slot dimension of a layer's tensor: (batch, heads, slots[, head_dim]), or (batch, slots) for `valid`."""
+    return min(t.dim() - 1, 2)
+
+
+def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:
+    """The contiguous buffer of which `t` is the first slots, when it has room for `slots`; else None.
+
+    The room is read from `t`'s own strides and storage (a view `buffer[:, :, :n]` keeps the buffer's strides), so
+    no reference to a buffer is held apart from its tensor: a replaced tensor frees its buffer.
+    """
+    dim = slot_dim(t)
+    if t.storage_offset() != 0 or t.stride(dim) == 0:
+        return None
+    shape = list(t.shape)
+    shape[dim] = t.stride(dim - 1) // t.stride(dim)
+    if shape[dim] < slots:
+        return None
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    if list(t.stride()) != strides or t.untyped_storage().nbytes() < step * t.element_size():
+        return None
+    return t.as_strided(shape, strides)
+
+
+def append_in_place(current: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """`current` and `new` joined along `dim`: written into the room behind `current`, or into a new buffer with
+    `GROW` free slots when it has none."""
+    n, q = current.shape[dim], new.shape[dim]
+    room = buffer_of(current, n + q)
+    if room is None:
+        shape = list(current.shape)
+        shape[dim] = n + q + GROW
+        room = current.new_empty(shape)
+        room.narrow(dim, 0, n).copy_(current)
+    room.narrow(dim, n, q).copy_(new)
+    return room.narrow(dim, 0, n + q)
+
+
+def allocated(t: torch.Tensor) -> torch.Tensor:
+    """`t` with the free room behind it (what it holds in memory)."""
+    room = buffer_of(t, 0)
+    return t if room is None else room
 
 
 @dataclass

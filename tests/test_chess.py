@@ -33,8 +33,9 @@ def decode(model, ids, steps, mask=None):
         yield cache
 
 
-@pytest.mark.parametrize("pre_rope", [True, False])
-def test_page_vectors_equal_a_recomputation_after_many_steps(pre_rope):
+@pytest.mark.parametrize("pre_rope, schedule", [(True, {"reselect": "always"}), (False, {"reselect": "always"}),
+                                               (True, {"reselect_every": 7})])
+def test_page_vectors_equal_a_recomputation_after_many_steps(pre_rope, schedule):
     model = make_model("qwen2", "sdpa")
     n, steps = 75, 50  # pages fill and complete while decoding
     ids = torch.zeros(2, n, dtype=torch.long)
@@ -49,13 +50,15 @@ def test_page_vectors_equal_a_recomputation_after_many_steps(pre_rope):
     hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, a, o, i=i: record(i, m, a, o))
              for i, layer in enumerate(model.model.layers)]
     try:
-        with chess(preset="aggressive", reselect="always", pre_rope=pre_rope)(model):
+        with chess(preset="aggressive", pre_rope=pre_rope, **schedule)(model):
             for cache in decode(model, ids, steps, mask):
                 pass
     finally:
         for hook in hooks:
             hook.remove()
-    sums, total = cache.state.page_sums, n + steps
+    # page vectors are brought up to date at each selection: with a selection every 7 steps, the last was at 49
+    total = n + steps - (steps % 7 if "reselect_every" in schedule else 0)
+    sums = cache.state.page_sums
     for row, start in enumerate([0, 20]):
         for layer in chess_layers(cache):
             if pre_rope:

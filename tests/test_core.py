@@ -9,6 +9,7 @@ from conftest import ARCHITECTURES, greedy, make_model, make_tokenizer, prompt
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from sparsekv import CHESSPress, ChunkPress, H2OPress, KVLayer, SentencePress, SnapKVPress, SparseCache, StreamingLLMPress
+from sparsekv.cache import GROW, buffer_of
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
@@ -71,7 +72,31 @@ def test_memory_really_drops():
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
     with SnapKVPress(ratio=0.25, window_size=8)(model):
         cache = greedy(model, ids, new=2, return_dict_in_generate=True).past_key_values
-    assert cache.stats().kv_bytes / full_bytes == pytest.approx(51 / 201, abs=1e-6)
+    # 50 kept + 1 generated, in buffers with GROW free slots (appends are written in place)
+    assert cache.stats().kv_bytes / full_bytes == pytest.approx((51 + GROW) / 201, abs=1e-6)
+    layer = cache.layers[0]
+    assert layer.keys.shape[-2] == 51 and layer.keys.untyped_storage().nbytes() == layer.keys[:, :, :1].nbytes * (51 + GROW)
+
+
+def test_appends_are_written_in_place_between_reallocations():
+    layer = KVLayer()
+    k = torch.randn(2, 3, 10, 4)
+    layer.update(k, k + 1)
+    layer.select(torch.arange(2, 8).expand(2, 3, 6), torch.ones(2, 6, dtype=torch.bool))
+    assert buffer_of(layer.keys, 7) is None  # a gathered tensor has no room: the next append reallocates
+    keys, values = [layer.keys], [layer.values]
+    news = [torch.randn(2, 3, 1, 4) for _ in range(GROW + 2)]
+    ptrs = []
+    for new in news:
+        layer.update(new, -new)
+        keys.append(new)
+        values.append(-new)
+        ptrs.append(layer.keys.data_ptr())
+    assert len(set(ptrs[: GROW + 1])) == 1 and ptrs[GROW + 1] != ptrs[0]  # one reallocation every GROW steps
+    assert torch.equal(layer.keys, torch.cat(keys, dim=2)) and torch.equal(layer.values, torch.cat(values, dim=2))
+    assert torch.equal(layer.positions[0, 0], torch.cat([torch.arange(2, 8), torch.arange(10, 10 + GROW + 2)]))
+    assert layer.valid.shape == (2, 6 + GROW + 2) and bool(layer.valid.all())
+    assert buffer_of(torch.zeros(1, 5).expand(3, 5), 5) is None  # broadcast views are never written into
 
 
 def test_hooks_removed_and_model_unchanged():

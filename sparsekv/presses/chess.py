@@ -42,6 +42,9 @@ class CHESSState:
         built_at: `(batch,)` complete pages when the working context was last built (the window slides when
             a page completes).
         version: bumped at each new working context; a layer whose copy is older re-gathers it.
+        summed: store slots already added to `page_sums`; the decoded tokens after them are added when page
+            vectors are next read (at a selection), all layers at once, instead of layer by layer at every step.
+        rope: the `(cos, sin)` of each decoding step since `summed`, to undo RoPE on those keys (`pre_rope`).
     """
 
     page_sums: torch.Tensor | None = None
@@ -52,6 +55,8 @@ class CHESSState:
     built_at: torch.Tensor | None = None
     version: int = 0
     steps: int = 0
+    summed: int = 0
+    rope: list = field(default_factory=list)
 
 
 class CHESSLayer(KVLayer):
@@ -89,7 +94,8 @@ class CHESSLayer(KVLayer):
     def _write(self, keys, values, start):
         end = start + keys.shape[-2]
         if self.store_keys is None or end > self.store_keys.shape[-2]:
-            capacity = max(end + 256, 2 * (0 if self.store_keys is None else self.store_keys.shape[-2]))
+            # Grow by an eighth (at least 8 pages of 32): a few copies over a long generation, little unused room.
+            capacity = end + max(256, end // 8)
             b, h, _, d = keys.shape
             grown_keys, grown_values = keys.new_empty(b, h, capacity, d), values.new_empty(b, h, capacity, d)
             if self.store_keys is not None:
@@ -138,9 +144,9 @@ class CHESSPress(Press):
 
     Nothing is evicted: the KV of every token stays in a page-aligned store (pages of `page_size` tokens), and
     what changes is the working context attention reads (sec. 3). Each page has a vector, the mean of its keys
-    flattened over all compressed layers and KV heads (eq. 1), kept up to date as decoding fills pages; chunks
-    (`chunk_pages` consecutive pages) and grids (`grid_chunks` consecutive chunks) average their children
-    (eq. 2). The anchor is the mean vector of the recent window's pages (eq. 3); every grid, chunk and page is
+    flattened over all compressed layers and KV heads (eq. 1), brought up to date with the decoded keys at each
+    selection; chunks (`chunk_pages` consecutive pages) and grids (`grid_chunks` consecutive chunks) average
+    their children (eq. 2). The anchor is the mean vector of the recent window's pages (eq. 3); every grid, chunk and page is
     scored by its dot product with the anchor in one matrix product (eq. 4), and Algorithm 1 keeps, top-down,
     the grids above the `1 - rho_g` quantile, the chunks of kept grids above the `1 - rho_c` quantile of those,
     then the pages of kept chunks above the `1 - rho_p` quantile of those. One selection per sequence serves
@@ -247,15 +253,30 @@ class CHESSPress(Press):
         ranks = [i for i, layer in enumerate(cache.layers) if isinstance(layer, CHESSLayer)]
         return CHESSState(columns={i: r for r, i in enumerate(ranks)})
 
-    # --- page vectors (eq. 1), kept up to date -----------------------------------------------------------------
+    # --- page vectors (eq. 1), brought up to date ----------------------------------------------------------------
     def compress(self, cache, layer, call):
-        self._accumulate(cache, layer, 0, call)
+        self._accumulate(cache, layer, 0, call.position_embeddings)
+        cache.state.summed = layer.logical_len
 
     def after_step(self, cache, layer, call):
-        self._accumulate(cache, layer, layer.logical_len - call.q_len, call)
+        state = cache.state
+        if self.pre_rope and state.columns[layer.layer_idx] == 0:  # every compressed layer shares the rotary table
+            state.rope.append(call.position_embeddings)
 
-    def _accumulate(self, cache, layer, start, call):
-        """Add the keys of store slots `start:` (this call's tokens) of this layer to their pages' sums."""
+    def _catch_up(self, cache):
+        """Add the keys decoded since the last selection to their pages' sums, every layer."""
+        state = cache.state
+        layers = [layer for layer in cache.layers if isinstance(layer, CHESSLayer)]
+        if layers[0].logical_len == state.summed:
+            return
+        rope = tuple(torch.cat(parts, dim=1) for parts in zip(*state.rope)) if self.pre_rope else None
+        for layer in layers:
+            self._accumulate(cache, layer, state.summed, rope)
+        state.summed, state.rope = layers[0].logical_len, []
+
+    def _accumulate(self, cache, layer, start, rope):
+        """Add the keys of store slots `start:` of this layer (RoPE undone with `rope` = their (cos, sin)) to
+        their pages' sums."""
         state, end = cache.state, layer.logical_len
         b, h, _, d = layer.store_keys.shape
         first = cache.prompt_start.to(layer.device)[:, None]
@@ -269,7 +290,7 @@ class CHESSPress(Press):
         page = (slots - first).div(self.page_size, rounding_mode="floor")  # (b, q); < 0: padding
         keys = layer.store_keys[:, :, start:end]
         if self.pre_rope:
-            keys = rotate(keys, call.position_embeddings, inverse=True)
+            keys = rotate(keys, rope, inverse=True)
         keys = keys.permute(0, 2, 1, 3).reshape(b, end - start, h * d).float()
         keys = keys * (page >= 0)[..., None]
         column = state.columns[layer.layer_idx] * h * d
@@ -291,6 +312,7 @@ class CHESSPress(Press):
             state.steps += 1
             trigger = self.triggers(logits[:, -1], state.steps)
         if bool(trigger.any()):
+            self._catch_up(cache)
             fresh = self.select(state.page_sums, lengths)[-1]
             state.selected = fresh if state.selected is None else torch.where(
                 trigger[:, None], fresh, pad_pages(state.selected, fresh.shape[1]))
