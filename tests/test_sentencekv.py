@@ -10,6 +10,7 @@ from conftest import greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.cache import GROW
+from sparsekv.presses.sentencekv import first_slots, rank_in_sentence
 
 
 def press(**kw):
@@ -67,7 +68,7 @@ def test_budget_and_memory_held_at_every_step(impl):
 
 def fake_call(queries):
     """What `before_attention` reads from an attention call: this step's queries and their validity."""
-    return SimpleNamespace(queries=lambda: queries, valid=lambda: torch.ones(queries.shape[0], queries.shape[2],
+    return SimpleNamespace(queries=lambda: queries, input_valid=None, valid=lambda: torch.ones(queries.shape[0], queries.shape[2],
                                                                            dtype=torch.bool))
 
 
@@ -78,13 +79,14 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     layer = p.new_layer(0)
     d, store = 4, 8
     layer.update(torch.zeros(1, 1, 16, d), torch.zeros(1, 1, 16, d))  # 4 loaded + 12 resident slots
-    layer.compressed, layer.loaded, layer.filler = True, 4, torch.zeros(1, 1, 4, dtype=torch.bool)
+    layer.compressed, layer.loaded, layer.fill = True, 4, torch.tensor([[[4]]])
     keys = torch.zeros(1, 1, store, d)
     keys[..., :4, 0], keys[..., 4:, 1] = 1.0, 1.0  # sentence 0: direction e0, sentence 1: e1
     layer.store_keys, layer.store_values = keys, keys.clone()
     layer.store_positions = torch.arange(100, 100 + store)[None]
     layer.store_sentence = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
     layer.slot_sentence = layer.store_sentence[:, None]
+    layer.slot_rank, layer.sentence_sizes = rank_in_sentence(layer.slot_sentence, 2), torch.tensor([[[4, 4]]])
     layer.sentence_keys = torch.stack([keys[0, 0, 0], keys[0, 0, 4]])[None, None]
     layer.query_sum, layer.query_count = torch.zeros(1, 1, d), torch.zeros(1)
     cache = SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,
@@ -103,6 +105,13 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     assert float(layer.query_count[0]) == 0
     p.before_attention(cache, layer, fake_call(0.1 * toward(0)))
     assert layer.positions[0, 0, :4].tolist() == [100, 101, 102, 103]
+
+
+def test_sentence_ranks_and_first_slots():
+    sentence = torch.tensor([[0, 0, 2, 2, 2, 1, 3, 3]])  # ids need not follow positions (split sentences)
+    assert rank_in_sentence(sentence, 4).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
+    chosen = torch.tensor([[[True, False, True, True, False], [False] * 5]])
+    assert first_slots(chosen, 2).tolist() == [[[0, 2], [5, 5]]]  # the first two, or 5 (none) for fillers
 
 
 def test_ratio_one_is_identical():

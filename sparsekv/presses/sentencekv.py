@@ -40,8 +40,10 @@ class SentenceLayer(KVLayer):
         self.query_sum: torch.Tensor | None = None  # (batch, heads, head_dim): the sentence being generated
         self.query_count: torch.Tensor | None = None  # (batch,)
         self.selection: torch.Tensor | None = None  # (batch, kv_heads, loaded) store slots now loaded
-        self.filler: torch.Tensor | None = None  # (batch, 1, loaded) loaded slots a row cannot fill
+        self.fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
         self.slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
+        self.slot_rank: torch.Tensor | None = None  # (batch, 1, R) index of each store slot within its sentence
+        self.sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
 
     def offloaded_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.store_keys, self.store_values) if t is not None]
@@ -156,9 +158,10 @@ class SentencePress(SnapKVPress):
         layer.query_count = torch.zeros(b, device=device)
         # Rows with fewer stored tokens than slots: the same count of real slots on every head, fillers last.
         count = torch.minimum(taus.to(device) - fixed, in_store.sum(-1))[:, None, None]
-        layer.filler = torch.arange(layer.loaded, device=device) >= count  # (b, 1, loaded)
+        layer.fill = count
         n_sentences = layer.sentence_keys.shape[2]
         layer.slot_sentence = layer.store_sentence.masked_fill(~in_store, n_sentences)[:, None].expand(b, h, -1)
+        layer.slot_rank = rank_in_sentence(layer.slot_sentence[:, :1], n_sentences + 1)
 
     @staticmethod
     def _fill_store(layer, store, in_store, sentences):
@@ -173,6 +176,7 @@ class SentencePress(SnapKVPress):
         sums = keys.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, keys * weight)
         counts = keys.new_zeros(b, n_sentences).scatter_add_(1, sentence.clamp(min=0), in_store.to(keys.dtype))
         layer.sentence_keys = (sums / counts.clamp(min=1)[:, None, :, None]).float()
+        layer.sentence_sizes = counts.long()[:, None]  # (b, 1, S) stored tokens of each sentence
         pin = layer.offload_device.type == "cpu" and keys.is_cuda
         layer.store_keys, layer.store_values = (t.to(layer.offload_device) for t in (keys, values))
         if pin:
@@ -185,28 +189,36 @@ class SentencePress(SnapKVPress):
             return
         start = time.perf_counter()
         queries = call.queries().float()  # (b, heads, q, d)
-        valid = call.valid()
-        layer.query_sum += (queries * valid[:, None, :, None]).sum(dim=2)
-        layer.query_count += valid.sum(-1)
+        if call.input_valid is None:  # every new token real (the common case)
+            layer.query_sum += queries.sum(dim=2)
+            layer.query_count += queries.shape[2]
+        else:
+            valid = call.valid()
+            layer.query_sum += (queries * valid[:, None, :, None]).sum(dim=2)
+            layer.query_count += valid.sum(-1)
         b, h = layer.keys.shape[:2]
         mean = (layer.query_sum / layer.query_count.clamp(min=1)[:, None, None]).view(b, h, -1, queries.shape[-1])
-        similarity = mean.mean(dim=2)[:, :, None, :] @ layer.sentence_keys.transpose(-1, -2)  # (b, h, 1, S)
-        similarity = torch.cat([similarity[:, :, 0], similarity.new_full((b, h, 1), float("-inf"))], dim=-1)
-        scores = similarity.gather(-1, layer.slot_sentence)  # empty store slots point at the -inf column
-        order = scores.sort(dim=-1, descending=True, stable=True).indices[..., : layer.loaded]  # best sentences
-        order = order.masked_fill(layer.filler, layer.store_sentence.shape[1]).sort(dim=-1).values  # by position
-        real = ~layer.filler[:, 0]
+        similarity = (mean.mean(dim=2)[:, :, None, :] @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]  # (b, h, S)
+        # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
+        # sentences, then a per-slot test, never a sort over the stored tokens.
+        ranked = similarity.argsort(dim=-1, descending=True, stable=True)
+        sizes = layer.sentence_sizes.expand(b, h, -1).gather(-1, ranked)
+        taken = (layer.fill - (sizes.cumsum(-1) - sizes)).clamp(min=0).minimum(sizes)
+        taken = torch.zeros_like(taken).scatter_(-1, ranked, taken)
+        taken = torch.nn.functional.pad(taken, (0, 1))  # empty store slots point at this last, zero, column
+        chosen = layer.slot_rank < taken.gather(-1, layer.slot_sentence)  # (b, h, R)
+        order = first_slots(chosen, layer.loaded)  # by position, fillers (R) last
         cache.seconds["select"] += time.perf_counter() - start
         if layer.selection is None or not torch.equal(order, layer.selection):  # else: already resident
             start = time.perf_counter()
-            self._load(layer, order, real)
+            self._load(layer, order)
             cache.seconds["load"] += time.perf_counter() - start
-            cache.counts["loaded_tokens"] += int(real.sum()) * h
+            cache.counts["loaded_tokens"] += int(layer.fill.sum()) * h
             cache.counts["loads"] += 1
         cache.counts["selections"] += 1
 
     @staticmethod
-    def _load(layer, order, real):
+    def _load(layer, order):
         """One gather from the store and one copy into the loaded region, for every head of the layer."""
         b, h, n = order.shape
         size = layer.store_sentence.shape[1]
@@ -218,7 +230,7 @@ class SentencePress(SnapKVPress):
             loaded = store.view(b * h * size, -1).index_select(0, rows).view(b, h, n, -1)
             resident[:, :, :n].copy_(loaded, non_blocking=True)
         layer.positions[:, :, :n] = layer.store_positions.gather(1, slots.view(b, -1)).view(b, h, n)
-        layer.valid[:, :n] = real
+        layer.valid[:, :n] = torch.arange(n, device=order.device) < layer.fill[:, 0]
         layer.all_valid = bool(layer.valid.all())
         layer.selection = order
 
@@ -227,3 +239,24 @@ class SentencePress(SnapKVPress):
         if layer.query_sum is not None and closing is not None and bool(closing.any()):
             layer.query_sum[closing.to(layer.query_sum.device)] = 0.0  # a new sentence starts
             layer.query_count[closing.to(layer.query_count.device)] = 0.0
+
+
+def rank_in_sentence(sentence: torch.Tensor, n_sentences: int) -> torch.Tensor:
+    """For slots sorted by position with sentence ids `sentence` `(..., R)` in [0, n_sentences), each slot's index
+    among the slots of its sentence."""
+    order = sentence.argsort(dim=-1, stable=True)  # grouped by sentence, by position within a sentence
+    sizes = torch.zeros(*sentence.shape[:-1], n_sentences, dtype=torch.long, device=sentence.device)
+    sizes.scatter_add_(-1, sentence, torch.ones_like(sentence))
+    first = sizes.cumsum(-1) - sizes  # index in `order` of each sentence's first slot
+    ranks = torch.arange(sentence.shape[-1], device=sentence.device) - first.gather(-1, sentence.gather(-1, order))
+    return torch.empty_like(ranks).scatter_(-1, order, ranks)
+
+
+def first_slots(chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices `(..., k)` of the first `k` True entries of `chosen` `(..., R)`, in order; R where fewer."""
+    size = chosen.shape[-1]
+    at = chosen.long().cumsum(-1) - 1
+    at = at.where(chosen & (at < k), k)  # the others land in a column dropped below
+    index = torch.arange(size, device=chosen.device).expand_as(at)
+    out = torch.full((*chosen.shape[:-1], k + 1), size, dtype=torch.long, device=chosen.device)
+    return out.scatter_(-1, at, index)[..., :k]
