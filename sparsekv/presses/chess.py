@@ -94,8 +94,8 @@ class CHESSLayer(KVLayer):
     def _write(self, keys, values, start):
         end = start + keys.shape[-2]
         if self.store_keys is None or end > self.store_keys.shape[-2]:
-            # Grow by an eighth (at least 8 pages of 32): a few copies over a long generation, little unused room.
-            capacity = end + max(256, end // 8)
+            # The prompt and 256 more; then grow by an eighth: a few copies over a long generation, little room.
+            capacity = end + (256 if self.store_keys is None else max(256, end // 8))
             b, h, _, d = keys.shape
             grown_keys, grown_values = keys.new_empty(b, h, capacity, d), values.new_empty(b, h, capacity, d)
             if self.store_keys is not None:
