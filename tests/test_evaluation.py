@@ -301,6 +301,25 @@ def test_eval_command_end_to_end(tmp_path, model_dir, capsys):
     assert main(["report", str(out), "--plot", str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").exists()
 
 
+def test_device_map_auto_gives_the_same_answers(tmp_path, model_dir, monkeypatch):
+    """`--device-map auto` (accelerate's dispatch; everything on the CPU here) answers as the plain load does."""
+    import transformers
+
+    maps, load = [], transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **kw: maps.append(kw.get("device_map")) or load(*a, **kw))
+    runs = {}
+    for name, extra in (("plain", []), ("auto", ["--device-map", "auto"])):
+        out = tmp_path / name
+        assert main(["eval", "--model", str(model_dir), "--tasks", "niah_single", "--presses", "snapkv",
+                     "--ratios", "0.5", "--lengths", "200", "--samples", "2", "--max-new-tokens", "3",
+                     "--out", str(out), *extra]) == 0
+        runs[name] = sorted((path.relative_to(out).as_posix(), [json.loads(line)["prediction"] for line in
+                             path.read_text().splitlines()]) for path in out.rglob("predictions.jsonl"))
+    assert len(runs["auto"]) == 2 and runs["auto"] == runs["plain"]
+    assert maps == [None, "auto"]  # the map really reached from_pretrained
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "niah_single,haystack"], "--tasks: unknown task 'haystack'; local tasks: niah_single"),
     (["--presses", "snapkv,pyramid"], "--presses: unknown press 'pyramid'; known presses: full, snapkv"),
