@@ -32,6 +32,9 @@ class KVLayer(CacheLayerMixin):
             `keep` / `evict` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
         logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
         compressed: True once the physical layout differs from the logical one.
+
+    The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
+    them with new tensors (`select`) or write into them in place, never keep views of them across steps.
     """
 
     is_sliding = False
