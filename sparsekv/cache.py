@@ -49,7 +49,6 @@ class KVLayer(CacheLayerMixin):
         self.logical_len = 0
         self.compressed = False
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
-        self._room: dict[str, torch.Tensor] = {}  # buffers with free slots behind the tensors of the same name
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty tensors of the first forward's dtype, device, batch and heads."""
