@@ -75,7 +75,8 @@ def test_memory_really_drops():
     # 50 kept + 1 generated, in buffers with GROW free slots (appends are written in place)
     assert cache.stats().kv_bytes / full_bytes == pytest.approx((51 + GROW) / 201, abs=1e-6)
     layer = cache.layers[0]
-    assert layer.keys.shape[-2] == 51 and layer.keys.untyped_storage().nbytes() == layer.keys[:, :, :1].nbytes * (51 + GROW)
+    per_slot = layer.keys[:, :, :1].nbytes
+    assert layer.keys.shape[-2] == 51 and layer.keys.untyped_storage().nbytes() == per_slot * (51 + GROW)
 
 
 def test_appends_are_written_in_place_between_reallocations():

@@ -68,8 +68,8 @@ def test_budget_and_memory_held_at_every_step(impl):
 
 def fake_call(queries):
     """What `before_attention` reads from an attention call: this step's queries and their validity."""
-    return SimpleNamespace(queries=lambda: queries, input_valid=None, valid=lambda: torch.ones(queries.shape[0], queries.shape[2],
-                                                                           dtype=torch.bool))
+    valid = torch.ones(queries.shape[0], queries.shape[2], dtype=torch.bool)
+    return SimpleNamespace(queries=lambda: queries, input_valid=None, valid=lambda: valid)
 
 
 def test_selection_follows_the_query_and_resets_at_sentence_ends():

@@ -146,11 +146,11 @@ class CHESSPress(Press):
     what changes is the working context attention reads (sec. 3). Each page has a vector, the mean of its keys
     flattened over all compressed layers and KV heads (eq. 1), brought up to date with the decoded keys at each
     selection; chunks (`chunk_pages` consecutive pages) and grids (`grid_chunks` consecutive chunks) average
-    their children (eq. 2). The anchor is the mean vector of the recent window's pages (eq. 3); every grid, chunk and page is
-    scored by its dot product with the anchor in one matrix product (eq. 4), and Algorithm 1 keeps, top-down,
-    the grids above the `1 - rho_g` quantile, the chunks of kept grids above the `1 - rho_c` quantile of those,
-    then the pages of kept chunks above the `1 - rho_p` quantile of those. One selection per sequence serves
-    every layer. Attention reads sink pages + selected pages + window pages + the current partial page.
+    their children (eq. 2). The anchor is the mean vector of the recent window's pages (eq. 3); every grid, chunk
+    and page is scored by its dot product with the anchor in one matrix product (eq. 4), and Algorithm 1 keeps,
+    top-down, the grids above the `1 - rho_g` quantile, the chunks of kept grids above the `1 - rho_c` quantile of
+    those, then the pages of kept chunks above the `1 - rho_p` quantile of those. One selection per sequence
+    serves every layer. Attention reads sink pages + selected pages + window pages + the current partial page.
 
     The selection is made after the prompt, then again only after a step whose next-token distribution is
     uncertain (sec. 3.3): entropy above `entropy_threshold` and varentropy above `varentropy_threshold` (the
