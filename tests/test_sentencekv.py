@@ -10,7 +10,7 @@ from conftest import greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.cache import GROW
-from sparsekv.presses.sentencekv import first_slots, rank_in_sentence
+from sparsekv.presses.sentencekv import rank_in_sentence
 
 
 def press(**kw):
@@ -80,6 +80,7 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     d, store = 4, 8
     layer.update(torch.zeros(1, 1, 16, d), torch.zeros(1, 1, 16, d))  # 4 loaded + 12 resident slots
     layer.compressed, layer.loaded, layer.fill = True, 4, torch.tensor([[[4]]])
+    layer.fillers = torch.zeros(1, 1, 4, dtype=torch.bool)
     keys = torch.zeros(1, 1, store, d)
     keys[..., :4, 0], keys[..., 4:, 1] = 1.0, 1.0  # sentence 0: direction e0, sentence 1: e1
     layer.store_keys, layer.store_values = keys, keys.clone()
@@ -88,7 +89,7 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     layer.slot_sentence = layer.store_sentence[:, None]
     layer.slot_rank, layer.sentence_sizes = rank_in_sentence(layer.slot_sentence, 2), torch.tensor([[[4, 4]]])
     layer.sentence_keys = torch.stack([keys[0, 0, 0], keys[0, 0, 4]])[None, None]
-    layer.query_sum, layer.query_count = torch.zeros(1, 1, d), torch.zeros(1)
+    layer.query_sum = torch.zeros(1, 1, d)
     cache = SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,
                                                                           "selections": 0},
                             state=SimpleNamespace(closing=torch.tensor([False])))
@@ -102,16 +103,14 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     assert cache.counts["loads"] == 2 and cache.counts["selections"] == 3
     cache.state.closing = torch.tensor([True])
     p.after_step(cache, layer, None)  # the sentence ended: a fresh mean query
-    assert float(layer.query_count[0]) == 0
+    assert not layer.query_sum.any()
     p.before_attention(cache, layer, fake_call(0.1 * toward(0)))
     assert layer.positions[0, 0, :4].tolist() == [100, 101, 102, 103]
 
 
-def test_sentence_ranks_and_first_slots():
+def test_sentence_ranks():
     sentence = torch.tensor([[0, 0, 2, 2, 2, 1, 3, 3]])  # ids need not follow positions (split sentences)
     assert rank_in_sentence(sentence, 4).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
-    chosen = torch.tensor([[[True, False, True, True, False], [False] * 5]])
-    assert first_slots(chosen, 2).tolist() == [[[0, 2], [5, 5]]]  # the first two, or 5 (none) for fillers
 
 
 def test_ratio_one_is_identical():

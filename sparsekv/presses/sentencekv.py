@@ -38,9 +38,9 @@ class SentenceLayer(KVLayer):
         self.store_sentence: torch.Tensor | None = None  # (batch, R), -1: empty slot
         self.sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
         self.query_sum: torch.Tensor | None = None  # (batch, heads, head_dim): the sentence being generated
-        self.query_count: torch.Tensor | None = None  # (batch,)
         self.selection: torch.Tensor | None = None  # (batch, kv_heads, loaded) store slots now loaded
         self.fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
+        self.fillers: torch.Tensor | None = None  # (batch, kv_heads, loaded) loaded - fill True per row
         self.slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
         self.slot_rank: torch.Tensor | None = None  # (batch, 1, R) index of each store slot within its sentence
         self.sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
@@ -49,7 +49,7 @@ class SentenceLayer(KVLayer):
         return [t for t in (self.store_keys, self.store_values) if t is not None]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        extra = [self.store_positions, self.store_sentence, self.sentence_keys, self.query_sum, self.query_count]
+        extra = [self.store_positions, self.store_sentence, self.sentence_keys, self.query_sum]
         return super().held_tensors() + self.offloaded_tensors() + [t for t in extra if t is not None]
 
 
@@ -155,10 +155,10 @@ class SentencePress(SnapKVPress):
         layer.select(slots, torch.cat([torch.zeros_like(loaded, dtype=torch.bool), valid.gather(1, keep)], dim=1))
         layer.query_sum = torch.zeros(b, call.module.config.num_attention_heads, layer.keys.shape[-1],
                                       device=device, dtype=torch.float32)
-        layer.query_count = torch.zeros(b, device=device)
         # Rows with fewer stored tokens than slots: the same count of real slots on every head, fillers last.
         count = torch.minimum(taus.to(device) - fixed, in_store.sum(-1))[:, None, None]
         layer.fill = count
+        layer.fillers = (torch.arange(layer.loaded, device=device) >= count).expand(b, h, -1)
         n_sentences = layer.sentence_keys.shape[2]
         layer.slot_sentence = layer.store_sentence.masked_fill(~in_store, n_sentences)[:, None].expand(b, h, -1)
         layer.slot_rank = rank_in_sentence(layer.slot_sentence[:, :1], n_sentences + 1)
@@ -189,16 +189,13 @@ class SentencePress(SnapKVPress):
             return
         start = time.perf_counter()
         queries = call.queries().float()  # (b, heads, q, d)
-        if call.input_valid is None:  # every new token real (the common case)
-            layer.query_sum += queries.sum(dim=2)
-            layer.query_count += queries.shape[2]
-        else:
-            valid = call.valid()
-            layer.query_sum += (queries * valid[:, None, :, None]).sum(dim=2)
-            layer.query_count += valid.sum(-1)
+        if call.input_valid is not None:  # padding tokens add nothing
+            queries = queries * call.valid()[:, None, :, None]
+        layer.query_sum += queries.sum(dim=2)
+        # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
         b, h = layer.keys.shape[:2]
-        mean = (layer.query_sum / layer.query_count.clamp(min=1)[:, None, None]).view(b, h, -1, queries.shape[-1])
-        similarity = (mean.mean(dim=2)[:, :, None, :] @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]  # (b, h, S)
+        query = layer.query_sum.view(b, h, -1, queries.shape[-1]).sum(dim=2, keepdim=True)
+        similarity = (query @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]  # (b, h, S)
         # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
         # sentences, then a per-slot test, never a sort over the stored tokens.
         ranked = similarity.argsort(dim=-1, descending=True, stable=True)
@@ -206,8 +203,9 @@ class SentencePress(SnapKVPress):
         taken = (layer.fill - (sizes.cumsum(-1) - sizes)).clamp(min=0).minimum(sizes)
         taken = torch.zeros_like(taken).scatter_(-1, ranked, taken)
         taken = torch.nn.functional.pad(taken, (0, 1))  # empty store slots point at this last, zero, column
-        chosen = layer.slot_rank < taken.gather(-1, layer.slot_sentence)  # (b, h, R)
-        order = first_slots(chosen, layer.loaded)  # by position, fillers (R) last
+        chosen = layer.slot_rank < taken.gather(-1, layer.slot_sentence)  # (b, h, R), `fill` True per head
+        # Store slots to load, by position, fillers (>= R) last: `loaded` True per head once fillers are added.
+        order = torch.cat([chosen, layer.fillers], dim=-1).nonzero()[:, -1].view(b, h, layer.loaded)
         cache.seconds["select"] += time.perf_counter() - start
         if layer.selection is None or not torch.equal(order, layer.selection):  # else: already resident
             start = time.perf_counter()
@@ -230,15 +228,15 @@ class SentencePress(SnapKVPress):
             loaded = store.view(b * h * size, -1).index_select(0, rows).view(b, h, n, -1)
             resident[:, :, :n].copy_(loaded, non_blocking=True)
         layer.positions[:, :, :n] = layer.store_positions.gather(1, slots.view(b, -1)).view(b, h, n)
-        layer.valid[:, :n] = torch.arange(n, device=order.device) < layer.fill[:, 0]
-        layer.all_valid = bool(layer.valid.all())
+        if layer.selection is None:  # fillers stay the same slots
+            layer.valid[:, :n] = ~layer.fillers[:, 0]
+            layer.all_valid = bool(layer.valid.all())
         layer.selection = order
 
     def after_step(self, cache, layer, call):
         closing = cache.state.closing
         if layer.query_sum is not None and closing is not None and bool(closing.any()):
             layer.query_sum[closing.to(layer.query_sum.device)] = 0.0  # a new sentence starts
-            layer.query_count[closing.to(layer.query_count.device)] = 0.0
 
 
 def rank_in_sentence(sentence: torch.Tensor, n_sentences: int) -> torch.Tensor:
@@ -251,12 +249,3 @@ def rank_in_sentence(sentence: torch.Tensor, n_sentences: int) -> torch.Tensor:
     ranks = torch.arange(sentence.shape[-1], device=sentence.device) - first.gather(-1, sentence.gather(-1, order))
     return torch.empty_like(ranks).scatter_(-1, order, ranks)
 
-
-def first_slots(chosen: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices `(..., k)` of the first `k` True entries of `chosen` `(..., R)`, in order; R where fewer."""
-    size = chosen.shape[-1]
-    at = chosen.long().cumsum(-1) - 1
-    at = at.where(chosen & (at < k), k)  # the others land in a column dropped below
-    index = torch.arange(size, device=chosen.device).expand_as(at)
-    out = torch.full((*chosen.shape[:-1], k + 1), size, dtype=torch.long, device=chosen.device)
-    return out.scatter_(-1, at, index)[..., :k]
