@@ -273,7 +273,8 @@ def format_rows(rows: list[dict]) -> str:
     columns = [
         ("config", "config", ""), ("length", "length", "d"),
         ("prefill s", "prefill_s", ".3f"), ("prefill/full", "prefill_vs_full", ".2f"),
-        ("compress s", "compress_s", ".3f"), ("decode ms/tok", "decode_ms", ".2f"), ("press ms/tok", "press_ms", ".2f"), ("decode/full", "decode_vs_full", ".2f"),
+        ("compress s", "compress_s", ".3f"), ("decode ms/tok", "decode_ms", ".2f"),
+        ("press ms/tok", "press_ms", ".2f"), ("decode/full", "decode_vs_full", ".2f"),
         ("decode/oracle", "decode_vs_oracle", ".2f"), ("slope ms/1k tok", "slope", ".2f"),
         ("peak MB", "peak_mb", ".1f"), ("GPU peak MB", "cuda_peak_mb", ".1f"),
         ("resident tok", "resident", ".0f"), ("attended tok", "attended", ".0f"),

@@ -46,9 +46,11 @@ class Press:
                 f"or budget (tokens kept, an integer >= 1); got ratio={self.ratio!r}, budget={self.budget!r}."
             )
         if self.ratio is not None and not (isinstance(self.ratio, (int, float)) and 0 < self.ratio <= 1):
-            raise ValueError(f"{type(self).__name__}: ratio must be in (0, 1] (fraction of KV kept); got {self.ratio!r}.")
+            raise ValueError(f"{type(self).__name__}: ratio must be in (0, 1] (fraction of KV kept); "
+                             f"got {self.ratio!r}.")
         if self.budget is not None and not (isinstance(self.budget, int) and self.budget >= 1):
-            raise ValueError(f"{type(self).__name__}: budget must be an integer >= 1 (tokens kept); got {self.budget!r}.")
+            raise ValueError(f"{type(self).__name__}: budget must be an integer >= 1 (tokens kept); "
+                             f"got {self.budget!r}.")
 
     def __call__(self, model: torch.nn.Module):
         """Install on `model` for the duration of a `with` block."""

@@ -67,7 +67,8 @@ def test_prompt_shorter_than_window():
 
 def test_ratio_keeping_less_than_the_window():
     model = make_model("llama")
-    with pytest.raises(ValueError, match="ratio=0.1 keeps 10 tokens of a 100-token prompt, fewer than the 32 it always keeps \\(window_size=32\\)"):
+    message = "ratio=0.1 keeps 10 tokens of a 100-token prompt, fewer than the 32 it always keeps \\(window_size=32\\)"
+    with pytest.raises(ValueError, match=message):
         with SnapKVPress(ratio=0.1)(model):
             greedy(model, prompt(100))
 

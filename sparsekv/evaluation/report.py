@@ -1,8 +1,9 @@
 """`sparsekv report`: the results of `sparsekv eval` as a table and a plot.
 
 The table has one row per model, length, mode, press and amount kept, one column per task (scores in %),
-their mean, and the number of samples the press could not run (counted wrong). The plot shows, per model and length, the mean score against the fraction of the KV cache kept:
-one line per press (dashed for question-agnostic runs), the full cache as a horizontal reference line.
+their mean, and the number of samples the press could not run (counted wrong). The plot shows, per model and
+length, the mean score against the fraction of the KV cache kept: one line per press (dashed for
+question-agnostic runs), the full cache as a horizontal reference line.
 """
 
 from __future__ import annotations

@@ -11,5 +11,6 @@ ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress
 
 __all__ = [
-    "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress",
+    "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "SentenceKVPress", "SentencePress", "SnapKVPress",
+    "StreamingLLMPress",
 ]

@@ -40,7 +40,8 @@ class SnapKVPress(ScorerPress):
             raise ValueError(f"SnapKVPress: pooling must be 'max' or 'avg'; got {self.pooling!r}.")
         if self.budget is not None and self.budget < self.window_size:
             raise ValueError(
-                f"SnapKVPress: budget={self.budget} must be at least window_size={self.window_size} (it counts the window)."
+                f"SnapKVPress: budget={self.budget} must be at least window_size={self.window_size} "
+                "(it counts the window)."
             )
 
     def min_kept(self):

@@ -1,0 +1,69 @@
+"""Does SentenceKV's store hold the needle's number? Per layer, its digits in the store and loaded at step 1.
+
+For single-needle prompts (the samples of `sparsekv eval --tasks niah_single`, by index), the prompt runs under
+`SentencePress` for one decoding step; the script prints, per layer, how many of the number's tokens the
+prefilter kept in the offload store, and how many the first step loaded on each KV head. A digit missing from
+a layer's store can never be attended there, whatever the retrieval does.
+
+    PYTHONPATH=. python benchmarks/sentence_store.py --model smollm2-135m --budget 128 --keep-factor 3 --samples 5,9
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tqdm.auto import tqdm
+
+from sparsekv import SentencePress
+from sparsekv.evaluation.prompts import encode
+from sparsekv.evaluation.tasks import niah_single
+from sparsekv.models import load_model
+from sparsekv.table import format_table
+
+from chess_affinity import needle_token
+
+
+@torch.no_grad()
+def number_coverage(model, tokenizer, ids: torch.Tensor, number: range, press: SentencePress):
+    """`(answer, rows)`: the first generated tokens, and per layer the number's tokens stored and loaded."""
+    with press(model):
+        answer = tokenizer.decode(model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:])
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)  # one step
+    wanted = torch.tensor(list(number))
+    rows = []
+    for i, layer in enumerate(out.past_key_values.layers):
+        if getattr(layer, "store_positions", None) is None:
+            continue
+        stored = torch.isin(wanted, layer.store_positions[0].cpu()).sum()
+        loaded = [int(torch.isin(wanted, heads[: layer.loaded].cpu()).sum()) for heads in layer.positions[0]]
+        rows.append({"layer": i, "stored": f"{int(stored)}/{len(number)}",
+                     "loaded per head": " ".join(map(str, loaded))})
+    return answer, rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--budget", type=int, default=128, help="tau, tokens attended per step")
+    parser.add_argument("--keep-factor", type=float, default=2.0, help="r: r * tau tokens kept in the store")
+    parser.add_argument("--samples", default="5,9", help="sample indices, as `sparsekv eval --samples 20` numbers them")
+    parser.add_argument("--of", type=int, default=20, help="samples in the sweep (sets each index's needle depth)")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)
+    for index in tqdm([int(i) for i in args.samples.split(",")], desc="samples"):
+        sample = niah_single(tokenizer, args.length, seed=index, depth=index / (args.of - 1))
+        ids = encode(tokenizer, sample).ids
+        digits = sample.answers[0]
+        start = needle_token(tokenizer, ids, digits)
+        end = next(i for i in range(start + 1, ids.shape[1] + 1)
+                   if digits in tokenizer.decode(ids[0, start:i].tolist()))
+        press = SentencePress(tokenizer, budget=args.budget, keep_factor=args.keep_factor)
+        answer, rows = number_coverage(model, tokenizer, ids, range(start, end), press)
+        print(f"\nsample {index}: number {digits} at tokens {start}-{end - 1}; answer {answer!r}")
+        print(format_table(rows, [(k, k, "") for k in rows[0]]))
+
+
+if __name__ == "__main__":
+    main()
