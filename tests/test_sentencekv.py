@@ -72,15 +72,21 @@ def fake_call(queries):
     return SimpleNamespace(queries=lambda: queries, input_valid=None, valid=lambda: valid)
 
 
-def test_selection_follows_the_query_and_resets_at_sentence_ends():
-    """Two sentences with orthogonal mean keys: the loaded one is the one the generated sentence's mean query
-    points at, and it changes once a sentence ends and the next one points elsewhere."""
-    p = press(budget=16)  # 4 loaded slots
+def fake_cache():
+    """What a press's decoding hooks read and write on the cache: timers, counters, the sentence-end flags."""
+    return SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,
+                                                                         "selections": 0},
+                           state=SimpleNamespace(closing=torch.tensor([False])))
+
+
+def two_sentence_layer(p, fill: int = 4):
+    """A compressed layer, 1 KV head: 4 loaded slots (`fill` of them real) and a store of two 4-token sentences
+    whose mean keys are e0 and e1 (positions 100-103, 104-107)."""
     layer = p.new_layer(0)
     d, store = 4, 8
     layer.update(torch.zeros(1, 1, 16, d), torch.zeros(1, 1, 16, d))  # 4 loaded + 12 resident slots
-    layer.compressed, layer.loaded, layer.fill = True, 4, torch.tensor([[[4]]])
-    layer.fillers = torch.zeros(1, 1, 4, dtype=torch.bool)
+    layer.compressed, layer.loaded, layer.fill = True, 4, torch.tensor([[[fill]]])
+    layer.fillers = (torch.arange(4) >= fill).view(1, 1, 4)
     keys = torch.zeros(1, 1, store, d)
     keys[..., :4, 0], keys[..., 4:, 1] = 1.0, 1.0  # sentence 0: direction e0, sentence 1: e1
     layer.store_keys, layer.store_values = keys, keys.clone()
@@ -90,9 +96,15 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     layer.slot_rank, layer.sentence_sizes = rank_in_sentence(layer.slot_sentence, 2), torch.tensor([[[4, 4]]])
     layer.sentence_keys = torch.stack([keys[0, 0, 0], keys[0, 0, 4]])[None, None]
     layer.query_sum = torch.zeros(1, 1, d)
-    cache = SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,
-                                                                          "selections": 0},
-                            state=SimpleNamespace(closing=torch.tensor([False])))
+    return layer
+
+
+def test_selection_follows_the_query_and_resets_at_sentence_ends():
+    """Two sentences with orthogonal mean keys: the loaded one is the one the generated sentence's mean query
+    points at, and it changes once a sentence ends and the next one points elsewhere."""
+    p = press(budget=16)  # 4 loaded slots
+    layer, d = two_sentence_layer(p), 4
+    cache = fake_cache()
     toward = lambda i: torch.eye(d)[i].view(1, 1, 1, d)  # noqa: E731
     p.before_attention(cache, layer, fake_call(toward(0)))
     assert layer.positions[0, 0, :4].tolist() == [100, 101, 102, 103]
@@ -106,6 +118,16 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     assert not layer.query_sum.any()
     p.before_attention(cache, layer, fake_call(0.1 * toward(0)))
     assert layer.positions[0, 0, :4].tolist() == [100, 101, 102, 103]
+
+
+def test_a_row_filling_fewer_slots_loads_its_best_tokens_first_and_masks_the_rest():
+    p = press(budget=16)
+    layer = two_sentence_layer(p, fill=3)
+    cache = fake_cache()
+    p.before_attention(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4)))
+    assert layer.positions[0, 0, :3].tolist() == [104, 105, 106]  # sentence 1's first three tokens, in order
+    assert layer.valid[0, :4].tolist() == [True, True, True, False]  # the filler slot is never attended
+    assert layer.selection[0, 0, 3] >= 8  # the filler points past the store
 
 
 def test_sentence_ranks():
