@@ -248,4 +248,3 @@ def rank_in_sentence(sentence: torch.Tensor, n_sentences: int) -> torch.Tensor:
     first = sizes.cumsum(-1) - sizes  # index in `order` of each sentence's first slot
     ranks = torch.arange(sentence.shape[-1], device=sentence.device) - first.gather(-1, sentence.gather(-1, order))
     return torch.empty_like(ranks).scatter_(-1, order, ranks)
-
