@@ -18,20 +18,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def query_projection(module) -> torch.nn.Module | None:
+    """The module's query projection: `q_proj`, or Phi3's fused `qkv_proj` (queries first); None if neither."""
+    return getattr(module, "q_proj", None) or getattr(module, "qkv_proj", None)
+
+
 def project_queries(module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
     """Queries `(batch, heads, tokens, head_dim)` of `hidden_states`, normed and rotated as the module does.
 
     `position_embeddings` are the `(cos, sin)` of exactly these tokens.
     """
-    b, n, _ = hidden_states.shape
-    d = module.head_dim
-    if hasattr(module, "q_proj"):
-        q = module.q_proj(hidden_states)
-    elif hasattr(module, "qkv_proj"):  # Phi3: fused projection, queries first
-        q = module.qkv_proj(hidden_states)[..., : module.config.num_attention_heads * d]
-    else:
+    projection = query_projection(module)
+    if projection is None:
         raise NotImplementedError(f"{type(module).__name__} has neither q_proj nor qkv_proj")
-    q = q.view(b, n, -1, d).transpose(1, 2)
+    return shape_queries(module, projection(hidden_states), position_embeddings)
+
+
+def shape_queries(module, projected: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """The query projection's output `(batch, tokens, width)` as the module's queries: split into heads,
+    normed (`q_norm`, when the module has one) and rotated with the `(cos, sin)` of these tokens."""
+    b, n, _ = projected.shape
+    d = module.head_dim
+    q = projected[..., : module.config.num_attention_heads * d]  # a fused qkv output keeps its queries only
+    q = q.reshape(b, n, -1, d).transpose(1, 2)
     if hasattr(module, "q_norm"):
         q = module.q_norm(q)
     return rotate(q, position_embeddings)
@@ -42,6 +51,8 @@ def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch
     undoes it (keys as they were before RoPE). Partial rotary (Phi3) rotates the first dims only."""
     cos, sin = (t.unsqueeze(1).to(x.dtype) for t in position_embeddings)
     rot = cos.shape[-1]
+    if rot == x.shape[-1]:  # full rotary: no pass-through part to join back (fewer ops per decoding step)
+        return x * cos + _rotate_half(x) * (-sin if inverse else sin)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat([x_rot * cos + _rotate_half(x_rot) * (-sin if inverse else sin), x_pass], dim=-1)
 
@@ -75,6 +86,8 @@ class AttentionCall:
         position_embeddings: `(cos, sin)` of the input tokens.
         weights: attention weights `(batch, heads, q, k)` when the implementation returned them (eager), else None.
         input_valid: `(batch, q)` which input tokens are real, or None when all are.
+        projected: the query projection's output for this input, when the hooks captured it (decoding steps of
+            presses that read queries then); `queries()` then shapes it instead of recomputing it.
     """
 
     module: torch.nn.Module
@@ -82,6 +95,7 @@ class AttentionCall:
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
     weights: torch.Tensor | None
     input_valid: torch.Tensor | None
+    projected: torch.Tensor | None = None
 
     @property
     def q_len(self) -> int:
@@ -91,6 +105,8 @@ class AttentionCall:
         """Rotated queries of input tokens `start:end`, `(batch, heads, tokens, head_dim)`."""
         cos, sin = self.position_embeddings
         sl = slice(start, end)
+        if self.projected is not None:
+            return shape_queries(self.module, self.projected[:, sl], (cos[:, sl], sin[:, sl]))
         return project_queries(self.module, self.hidden_states[:, sl], (cos[:, sl], sin[:, sl]))
 
     def valid(self) -> torch.Tensor:

@@ -5,6 +5,9 @@
 - Hooks on each full-attention module: before attention, the press may prepare the layer (selection) and the
   mask is rebuilt for the layer's physical layout once it is compressed; after attention, the press compresses
   the prompt (first forward) or does its per-step work (every later forward).
+- A hook after each such module's query projection: on forwards after the prompt, presses that read queries
+  get the projection as it was computed (`AttentionCall.projected`), so a step's queries are never projected
+  twice; `on_queries` runs there, before attention.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .attention import AttentionCall
+from .attention import AttentionCall, query_projection
 from .cache import COMPRESSED_LAYER_TYPES, SparseCache
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -57,17 +60,22 @@ def install(press, model: torch.nn.Module):
     if not targets:
         raise ValueError("model: it has no full-attention layers to compress (all are sliding-window or linear).")
     handles = []
+    steps: dict[int, tuple] = {}  # layer -> (cache, call) of this forward, from before attention to after it
     _active.add(model)
     try:
         handles.append(model.register_forward_pre_hook(partial(_before_model, press, model), with_kwargs=True))
         handles.append(model.register_forward_hook(_after_model, with_kwargs=True))
         for module in targets:
-            handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
-            handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(partial(_before_attention, steps), with_kwargs=True))
+            handles.append(module.register_forward_hook(partial(_after_attention, steps), with_kwargs=True))
+            projection = query_projection(module)
+            if projection is not None:
+                handles.append(projection.register_forward_hook(partial(_after_queries, steps, module)))
         yield model
     finally:
         for handle in handles:
             handle.remove()
+        steps.clear()
         _active.discard(model)
 
 
@@ -110,13 +118,16 @@ def _call(module, args, kwargs, cache, weights=None) -> AttentionCall:
 
 
 @torch.no_grad()  # press work never needs gradients
-def _before_attention(module, args, kwargs):
+def _before_attention(steps, module, args, kwargs):
+    steps.pop(module.layer_idx, None)
     cache = _cache_of(kwargs)
     if cache is None:
         return None
     layer = cache.layers[module.layer_idx]
     if cache.press.selects_before_attention:  # skip building the call otherwise
         press_before_attention(cache, layer, _call(module, args, kwargs, cache))
+    if cache.press.reads_step_queries and layer.logical_len > 0:  # after the prompt: capture the queries
+        steps[module.layer_idx] = cache, _call(module, args, kwargs, cache)
     if not layer.compressed:
         return None
     impl = module.config._attn_implementation
@@ -132,12 +143,25 @@ def _before_attention(module, args, kwargs):
 
 
 @torch.no_grad()
-def _after_attention(module, args, kwargs, output):
+def _after_queries(steps, attention, module, args, output):
+    cache, call = steps.get(attention.layer_idx, (None, None))
+    if call is None or call.projected is not None:  # the prompt, no press reading queries, or a press's own
+        return  # projection (run from `on_queries`)
+    call.projected = output
+    cache.press.on_queries(cache, cache.layers[attention.layer_idx], call)
+
+
+@torch.no_grad()
+def _after_attention(steps, module, args, kwargs, output):
+    _, call = steps.pop(module.layer_idx, (None, None))
     cache = _cache_of(kwargs)
     if cache is None:
         return
     weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-    press_after_attention(cache, cache.layers[module.layer_idx], _call(module, args, kwargs, cache, weights))
+    if call is None:
+        call = _call(module, args, kwargs, cache)
+    call.weights = weights
+    press_after_attention(cache, cache.layers[module.layer_idx], call)
 
 
 def press_before_attention(cache: SparseCache, layer, call: AttentionCall) -> None:

@@ -7,6 +7,8 @@ What the core asks of a press (override what the method needs; every default doe
 - `compress(cache, layer, call)`: after attention on the prompt, choose what the layer keeps.
 - `after_step(cache, layer, call)`: after attention on every later forward (decoding): evict, rescore.
 - `before_attention(cache, layer, call)`: before attention on every forward: select what to attend.
+- `on_queries(cache, layer, call)`: on every forward after the prompt, once the layer projected its queries
+  and before attention: select from this step's queries (`call.queries()` is captured there, not recomputed).
 - `on_logits(cache, logits)`: after each model forward, with the next-token logits.
 - `before_forward(cache, input_ids)`: before each model forward, with its token ids (None for embeddings).
 - `new_layer(layer_idx)` / `new_state(cache)`: the layer objects and cross-layer state a generation needs.
@@ -84,6 +86,20 @@ class Press:
     def selects_before_attention(self) -> bool:
         """Whether the press overrides `before_attention` (the hooks skip building its arguments otherwise)."""
         return type(self).before_attention is not Press.before_attention
+
+    def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+        """On each forward after the prompt, right after `layer` projected its queries, before attention.
+
+        `call.queries()` shapes the captured projection (no second projection). The attention mask is built by
+        then: rewrite what slots hold (keys, values, positions), never how many there are or their validity.
+        """
+
+    @property
+    def reads_step_queries(self) -> bool:
+        """Whether decoding steps capture each layer's query projection for `call.queries()` (in `on_queries`
+        and `after_step`). True when `on_queries` is overridden; presses whose `after_step` reads queries say
+        so too."""
+        return type(self).on_queries is not Press.on_queries
 
     def on_logits(self, cache: SparseCache, logits: torch.Tensor) -> None:
         """After each model forward, with its next-token `logits` `(batch, q, vocab)` (q may be 1)."""

@@ -295,3 +295,38 @@ def test_prompt_kept_marks_what_attention_reads():
     assert sorted(kept) == [0, 1, 2]
     for mask in kept.values():
         assert mask.shape == (1, 2, 40) and bool((mask == expected).all())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
+def test_decoding_queries_are_the_layers_own_projection_not_a_second_one(arch):
+    """`on_queries` sees the step's queries as the layer computed them (normed and rotated as a recomputation
+    would), before attention, and the query projection runs once per layer and step."""
+    from dataclasses import dataclass
+
+    from sparsekv.attention import project_queries, query_projection
+
+    seen, projections = [], []
+
+    @dataclass
+    class QueryReader(SnapKVPress):
+        def on_queries(self, cache, layer, call):
+            seen.append((call.projected is not None, call.queries(), call, layer.logical_len))
+
+    model = make_model(arch)
+    targets = [m for m in model.modules() if hasattr(m, "layer_idx") and query_projection(m) is not None]
+    handles = [query_projection(m).register_forward_hook(lambda *a: projections.append(1)) for m in targets]
+    press = QueryReader(ratio=0.5, window_size=8)
+    with press(model):
+        cache = model(prompt(40)).past_key_values
+        layers = len(compressed_layers(cache))
+        seen.clear(), projections.clear()
+        for step in range(3):
+            model(prompt(1, seed=step), past_key_values=cache)
+    assert len(projections) == 3 * len(targets)  # gemma3's sliding layers project too, once
+    for handle in handles:
+        handle.remove()
+    assert len(seen) == 3 * layers and all(captured for captured, *_ in seen)
+    for _, queries, call, _ in seen:
+        recomputed = project_queries(call.module, call.hidden_states, call.position_embeddings)
+        torch.testing.assert_close(queries, recomputed)
+    assert sorted({n for *_, n in seen}) == [40, 41, 42]  # before attention: the step's token not yet cached

@@ -68,6 +68,10 @@ class H2OPress(Press):
             received[..., :end] += call.prefill_probs(layer.keys, start, end).sum(dim=(2, 3))
         return received
 
+    @property
+    def reads_step_queries(self) -> bool:
+        return True  # `after_step` recomputes the step's attention row (sdpa, flash): from its own queries
+
     def after_step(self, cache, layer, call):
         if not layer.compressed:
             return
