@@ -67,7 +67,7 @@ def test_budget_and_memory_held_at_every_step(impl):
 
 
 def fake_call(queries):
-    """What `before_attention` reads from an attention call: this step's queries and their validity."""
+    """What `on_queries` reads from an attention call: this step's queries and their validity."""
     valid = torch.ones(queries.shape[0], queries.shape[2], dtype=torch.bool)
     return SimpleNamespace(queries=lambda: queries, input_valid=None, valid=lambda: valid)
 
@@ -76,27 +76,36 @@ def fake_cache():
     """What a press's decoding hooks read and write on the cache: timers, counters, the sentence-end flags."""
     return SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,
                                                                          "selections": 0},
-                           state=SimpleNamespace(closing=torch.tensor([False])))
+                           state=SimpleNamespace(closing=None))
 
 
-def two_sentence_layer(p, fill: int = 4):
-    """A compressed layer, 1 KV head: 4 loaded slots (`fill` of them real) and a store of two 4-token sentences
+def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
+    """A compressed layer, 1 KV head: `loaded` slots (`fill` of them real) and a store of two 4-token sentences
     whose mean keys are e0 and e1 (positions 100-103, 104-107)."""
     layer = p.new_layer(0)
     d, store = 4, 8
-    layer.update(torch.zeros(1, 1, 16, d), torch.zeros(1, 1, 16, d))  # 4 loaded + 12 resident slots
-    layer.compressed, layer.loaded, layer.fill = True, 4, torch.tensor([[[fill]]])
-    layer.fillers = (torch.arange(4) >= fill).view(1, 1, 4)
+    layer.update(torch.zeros(1, 1, loaded + 12, d), torch.zeros(1, 1, loaded + 12, d))  # + 12 resident slots
+    layer.compressed, layer.loaded, layer.fill = True, loaded, torch.tensor([[[fill]]])
     keys = torch.zeros(1, 1, store, d)
     keys[..., :4, 0], keys[..., 4:, 1] = 1.0, 1.0  # sentence 0: direction e0, sentence 1: e1
-    layer.store_keys, layer.store_values = keys, keys.clone()
+    keys[..., 2] = torch.arange(store)  # tells the tokens apart
+    layer.store_keys, layer.store_values = keys, -keys
     layer.store_positions = torch.arange(100, 100 + store)[None]
     layer.store_sentence = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
     layer.slot_sentence = layer.store_sentence[:, None]
     layer.slot_rank, layer.sentence_sizes = rank_in_sentence(layer.slot_sentence, 2), torch.tensor([[[4, 4]]])
-    layer.sentence_keys = torch.stack([keys[0, 0, 0], keys[0, 0, 4]])[None, None]
+    layer.sentence_keys = torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None]
     layer.query_sum = torch.zeros(1, 1, d)
+    layer.device_slot = torch.zeros(1, 1, store, dtype=torch.long)
     return layer
+
+
+def loaded_positions(layer, n: int) -> list[int]:
+    """Positions of the first `n` loaded slots, sorted, after checking each slot holds its store token's KV."""
+    positions = layer.positions[0, 0, :n]
+    expected = layer.store_keys[0, 0, positions - 100]
+    assert torch.equal(layer.keys[0, 0, :n], expected) and torch.equal(layer.values[0, 0, :n], -expected)
+    return sorted(positions.tolist())
 
 
 def test_selection_follows_the_query_and_resets_at_sentence_ends():
@@ -106,28 +115,43 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     layer, d = two_sentence_layer(p), 4
     cache = fake_cache()
     toward = lambda i: torch.eye(d)[i].view(1, 1, 1, d)  # noqa: E731
-    p.before_attention(cache, layer, fake_call(toward(0)))
-    assert layer.positions[0, 0, :4].tolist() == [100, 101, 102, 103]
+    p.on_queries(cache, layer, fake_call(toward(0)))
+    assert loaded_positions(layer, 4) == [100, 101, 102, 103]
     p.after_step(cache, layer, None)
-    p.before_attention(cache, layer, fake_call(2 * toward(1)))  # the mean of e0 and 2 e1 still leans to e1
-    assert layer.positions[0, 0, :4].tolist() == [104, 105, 106, 107] and cache.counts["loads"] == 2
-    p.before_attention(cache, layer, fake_call(toward(1)))  # same selection: nothing loaded
-    assert cache.counts["loads"] == 2 and cache.counts["selections"] == 3
+    p.on_queries(cache, layer, fake_call(2 * toward(1)))  # the mean of e0 and 2 e1 still leans to e1
+    assert loaded_positions(layer, 4) == [104, 105, 106, 107] and cache.counts["loads"] == 2
+    p.on_queries(cache, layer, fake_call(toward(1)))  # same selection: nothing loaded
+    assert cache.counts["loads"] == 2 and cache.counts["selections"] == 3 and cache.counts["loaded_tokens"] == 8
     cache.state.closing = torch.tensor([True])
     p.after_step(cache, layer, None)  # the sentence ended: a fresh mean query
     assert not layer.query_sum.any()
-    p.before_attention(cache, layer, fake_call(0.1 * toward(0)))
-    assert layer.positions[0, 0, :4].tolist() == [100, 101, 102, 103]
+    p.on_queries(cache, layer, fake_call(0.1 * toward(0)))
+    assert loaded_positions(layer, 4) == [100, 101, 102, 103]
 
 
-def test_a_row_filling_fewer_slots_loads_its_best_tokens_first_and_masks_the_rest():
+def test_only_tokens_entering_the_selection_are_copied():
+    """6 loaded slots: the best sentence whole, then the other's first 2 tokens. When the query turns, the 4
+    tokens kept by both selections stay in their slots; the 2 that enter take the slots of the 2 that leave."""
+    p = press(budget=18)
+    layer = two_sentence_layer(p, fill=6, loaded=6)
+    cache = fake_cache()
+    p.on_queries(cache, layer, fake_call(torch.eye(4)[0].view(1, 1, 1, 4)))
+    assert loaded_positions(layer, 6) == [100, 101, 102, 103, 104, 105]
+    before = layer.positions[0, 0, :6].clone()
+    p.on_queries(cache, layer, fake_call(3 * torch.eye(4)[1].view(1, 1, 1, 4)))
+    assert loaded_positions(layer, 6) == [100, 101, 104, 105, 106, 107]
+    stayed = torch.isin(before, torch.tensor([100, 101, 104, 105]))
+    assert torch.equal(layer.positions[0, 0, :6][stayed], before[stayed])  # not moved
+    assert cache.counts["loaded_tokens"] == 6 + 2
+
+
+def test_a_row_filling_fewer_slots_loads_its_best_tokens_and_leaves_the_filler():
     p = press(budget=16)
     layer = two_sentence_layer(p, fill=3)
     cache = fake_cache()
-    p.before_attention(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4)))
-    assert layer.positions[0, 0, :3].tolist() == [104, 105, 106]  # sentence 1's first three tokens, in order
-    assert layer.valid[0, :4].tolist() == [True, True, True, False]  # the filler slot is never attended
-    assert layer.selection[0, 0, 3] >= 8  # the filler points past the store
+    p.on_queries(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4)))
+    assert loaded_positions(layer, 3) == [104, 105, 106]  # sentence 1's first three tokens
+    assert layer.positions[0, 0, 3] == 3 and not layer.keys[0, 0, 3].any()  # the filler slot is never written
 
 
 def test_sentence_ranks():

@@ -18,14 +18,15 @@ class SentenceState:
     """Per generation: each prompt token's sentence, and which rows' last input token ended a sentence."""
 
     sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
-    closing: torch.Tensor | None = None  # (batch,)
+    closing: torch.Tensor | None = None  # (batch,), None when no row's last token ended a sentence
 
 
 class SentenceLayer(KVLayer):
     """A layer whose prompt lives in an offload store, attended sentence by sentence.
 
-    Device slots: `[loaded | sinks + recent window + generated tokens]`; the first `loaded` slots are rewritten
-    from the store whenever the selection changes. The store (`store_keys` / `store_values`,
+    Device slots: `[loaded | sinks + recent window + generated tokens]`; the first `loaded` slots hold the
+    selected store tokens in no particular order (a row's `fill` real ones, then fillers), and only tokens that
+    enter the selection are copied in. The store (`store_keys` / `store_values`,
     `(batch, kv_heads, R, head_dim)`) is on `offload_device`; sentence vectors and bookkeeping stay on device.
     """
 
@@ -38,9 +39,9 @@ class SentenceLayer(KVLayer):
         self.store_sentence: torch.Tensor | None = None  # (batch, R), -1: empty slot
         self.sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
         self.query_sum: torch.Tensor | None = None  # (batch, heads, head_dim): the sentence being generated
-        self.selection: torch.Tensor | None = None  # (batch, kv_heads, loaded) store slots now loaded
+        self.resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
+        self.device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
         self.fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
-        self.fillers: torch.Tensor | None = None  # (batch, kv_heads, loaded) loaded - fill True per row
         self.slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
         self.slot_rank: torch.Tensor | None = None  # (batch, 1, R) index of each store slot within its sentence
         self.sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
@@ -49,7 +50,8 @@ class SentenceLayer(KVLayer):
         return [t for t in (self.store_keys, self.store_values) if t is not None]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        extra = [self.store_positions, self.store_sentence, self.sentence_keys, self.query_sum]
+        extra = [self.store_positions, self.store_sentence, self.sentence_keys, self.query_sum, self.resident,
+                 self.device_slot]
         return super().held_tensors() + self.offloaded_tensors() + [t for t in extra if t is not None]
 
 
@@ -65,9 +67,10 @@ class SentencePress(SnapKVPress):
     each sentence's mean key per KV head over its kept tokens (eq. 1) stays on the device.
     Decoding (sec. 4.2): the queries of the tokens of the sentence being generated are averaged (eq. 2; reset
     after a token that ends a sentence), the query heads of each GQA group averaged, and per KV head sentences
-    are ranked by `q . k_s`; the tokens of the best sentences (in position order within a sentence, the last
-    one cut) are loaded until the budget, with one gather and copy per layer, skipped when the selection did
-    not change. Attention reads sinks + loaded tokens + recent window + generated tokens.
+    are ranked by `q . k_s`; the tokens of the best sentences (the first ones by position of the last sentence,
+    which is cut) are loaded until the budget. Only tokens entering the selection are copied from the store, in
+    one gather and one write per layer; none when it did not change. The queries are the step's own (captured
+    after the layer's projection, `on_queries`). Attention reads sinks + loaded + recent window + generated.
 
     Args:
         tokenizer: the model's tokenizer (required: sentences are found in the decoded prompt).
@@ -125,7 +128,8 @@ class SentencePress(SnapKVPress):
             cache.state.sentences = sentence_ids(self.tokenizer, input_ids, cache.input_valid,
                                                  self.max_sentence_tokens)
         else:
-            cache.state.closing = closes_sentence(self.tokenizer, input_ids[:, -1])
+            closing = closes_sentence(self.tokenizer, input_ids[:, -1])
+            cache.state.closing = closing if bool(closing.any()) else None  # None: no layer has work to do
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache, layer, call):
@@ -147,36 +151,38 @@ class SentencePress(SnapKVPress):
         in_store = store < n
         store = store.clamp(max=n - 1)
         self._fill_store(layer, store, in_store, cache.state.sentences.to(device))
-        # Device slots: the loaded region (filled at the first decoding step), then sinks + window.
+        # Device slots: the loaded region (filled at the first decoding step), then sinks + window. Rows with fewer
+        # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
         layer.loaded = int(taus.max()) - fixed
+        layer.fill = torch.minimum(taus.to(device) - fixed, in_store.sum(-1))[:, None, None]
+        real = torch.arange(layer.loaded, device=device) < layer.fill[:, 0]  # (b, loaded)
         keep = resident.nonzero()[:, 1].view(b, -1)  # every row has exactly n_sinks + window_size resident
-        loaded = keep.new_zeros(b, layer.loaded)
-        slots = torch.cat([loaded, keep], dim=1)[:, None].expand(b, h, -1)
-        layer.select(slots, torch.cat([torch.zeros_like(loaded, dtype=torch.bool), valid.gather(1, keep)], dim=1))
+        slots = torch.cat([keep.new_zeros(b, layer.loaded), keep], dim=1)[:, None].expand(b, h, -1)
+        layer.select(slots, torch.cat([real, valid.gather(1, keep)], dim=1))
         layer.query_sum = torch.zeros(b, call.module.config.num_attention_heads, layer.keys.shape[-1],
                                       device=device, dtype=torch.float32)
-        # Rows with fewer stored tokens than slots: the same count of real slots on every head, fillers last.
-        count = torch.minimum(taus.to(device) - fixed, in_store.sum(-1))[:, None, None]
-        layer.fill = count
-        layer.fillers = (torch.arange(layer.loaded, device=device) >= count).expand(b, h, -1)
-        n_sentences = layer.sentence_keys.shape[2]
-        layer.slot_sentence = layer.store_sentence.masked_fill(~in_store, n_sentences)[:, None].expand(b, h, -1)
-        layer.slot_rank = rank_in_sentence(layer.slot_sentence[:, :1], n_sentences + 1)
+        layer.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
+        layer.slot_rank = rank_in_sentence(layer.slot_sentence[:, :1], layer.sentence_keys.shape[2])
 
     @staticmethod
     def _fill_store(layer, store, in_store, sentences):
-        """The prefiltered tokens' KV to the offload store; per sentence, the mean key of its kept tokens."""
+        """The prefiltered tokens' KV to the offload store; per sentence, the mean key of its kept tokens.
+
+        Empty store slots go to one more, empty, sentence (mean key 0, no tokens): it never takes budget.
+        """
         b, h, _, d = layer.keys.shape
         gather = store[:, None, :, None].expand(b, h, -1, d)
         keys, values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
         sentence = sentences.gather(1, store).masked_fill(~in_store, -1)
-        n_sentences = int(sentences.max()) + 1
-        slot = sentence.clamp(min=0)[:, None, :, None].expand(b, h, -1, d)
+        n_sentences = int(sentences.max()) + 2  # the prompt's, and the empty one
+        bucket = sentence.masked_fill(~in_store, n_sentences - 1)
+        slot = bucket[:, None, :, None].expand(b, h, -1, d)
         weight = in_store.to(keys.dtype)[:, None, :, None]
         sums = keys.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, keys * weight)
-        counts = keys.new_zeros(b, n_sentences).scatter_add_(1, sentence.clamp(min=0), in_store.to(keys.dtype))
+        counts = keys.new_zeros(b, n_sentences).scatter_add_(1, bucket, in_store.to(keys.dtype))
         layer.sentence_keys = (sums / counts.clamp(min=1)[:, None, :, None]).float()
         layer.sentence_sizes = counts.long()[:, None]  # (b, 1, S) stored tokens of each sentence
+        layer.slot_sentence = bucket[:, None].expand(b, h, -1)
         pin = layer.offload_device.type == "cpu" and keys.is_cuda
         layer.store_keys, layer.store_values = (t.to(layer.offload_device) for t in (keys, values))
         if pin:
@@ -184,11 +190,11 @@ class SentencePress(SnapKVPress):
         layer.store_positions, layer.store_sentence = store, sentence
 
     # --- decoding --------------------------------------------------------------------------------------------
-    def before_attention(self, cache, layer, call):
+    def on_queries(self, cache, layer, call):
         if layer.store_keys is None:
             return
         start = time.perf_counter()
-        queries = call.queries().float()  # (b, heads, q, d)
+        queries = call.queries().float()  # (b, heads, q, d), the step's own projection
         if call.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
         layer.query_sum += queries.sum(dim=2)
@@ -202,40 +208,45 @@ class SentencePress(SnapKVPress):
         sizes = layer.sentence_sizes.expand(b, h, -1).gather(-1, ranked)
         taken = (layer.fill - (sizes.cumsum(-1) - sizes)).clamp(min=0).minimum(sizes)
         taken = torch.zeros_like(taken).scatter_(-1, ranked, taken)
-        taken = torch.nn.functional.pad(taken, (0, 1))  # empty store slots point at this last, zero, column
         chosen = layer.slot_rank < taken.gather(-1, layer.slot_sentence)  # (b, h, R), `fill` True per head
-        # Store slots to load, by position, fillers (>= R) last: `loaded` True per head once fillers are added.
-        order = torch.cat([chosen, layer.fillers], dim=-1).nonzero()[:, -1].view(b, h, layer.loaded)
         cache.seconds["select"] += time.perf_counter() - start
-        if layer.selection is None or not torch.equal(order, layer.selection):  # else: already resident
-            start = time.perf_counter()
-            self._load(layer, order)
-            cache.seconds["load"] += time.perf_counter() - start
-            cache.counts["loaded_tokens"] += int(layer.fill.sum()) * h
-            cache.counts["loads"] += 1
+        start = time.perf_counter()
+        copied = self._load(layer, chosen)
+        cache.seconds["load"] += time.perf_counter() - start
+        cache.counts["loaded_tokens"] += copied
+        cache.counts["loads"] += copied > 0
         cache.counts["selections"] += 1
 
     @staticmethod
-    def _load(layer, order):
-        """One gather from the store and one copy into the loaded region, for every head of the layer."""
-        b, h, n = order.shape
-        size = layer.store_sentence.shape[1]
-        slots = order.clamp(max=size - 1)
-        # Rows of the flattened store: whole head_dim vectors, the fastest gather on CPU and GPU alike.
-        rows = (slots + torch.arange(b * h, device=order.device).view(b, h, 1) * size).view(-1)
-        rows = rows.to(layer.offload_device)
-        for store, resident in ((layer.store_keys, layer.keys), (layer.store_values, layer.values)):
-            loaded = store.view(b * h * size, -1).index_select(0, rows).view(b, h, n, -1)
-            resident[:, :, :n].copy_(loaded, non_blocking=True)
-        layer.positions[:, :, :n] = layer.store_positions.gather(1, slots.view(b, -1)).view(b, h, n)
-        if layer.selection is None:  # fillers stay the same slots
-            layer.valid[:, :n] = ~layer.fillers[:, 0]
-            layer.all_valid = bool(layer.valid.all())
-        layer.selection = order
+    def _load(layer, chosen) -> int:
+        """Make the store slots `chosen` `(b, h, R)` the loaded ones, copying only those not resident yet (one
+        gather from the store and one write per tensor, every head at once). Returns the tokens copied.
+
+        Each entering token takes the device slot of one that leaves: every head holds `fill` chosen slots, so
+        per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
+        not care about slot order (keys carry their RoPE), so the loaded region needs none.
+        """
+        if layer.resident is None:  # first step: the region is free, chosen slots fill it from the front
+            enter = chosen
+            target = (chosen.cumsum(-1) - 1)[chosen]
+        else:
+            enter = chosen > layer.resident  # chosen, not resident
+            target = layer.device_slot[layer.resident > chosen]  # the slots of those that leave
+        row, head, slot = at = enter.nonzero().unbind(-1)
+        layer.resident = chosen
+        if slot.numel() == 0:  # the selection did not change: everything is resident already
+            return 0
+        if layer.store_keys.device != chosen.device:
+            at = tuple(i.to(layer.store_keys.device) for i in at)
+        layer.keys[row, head, target] = layer.store_keys[at].to(layer.keys.device, non_blocking=True)
+        layer.values[row, head, target] = layer.store_values[at].to(layer.values.device, non_blocking=True)
+        layer.positions[row, head, target] = layer.store_positions[row, slot]
+        layer.device_slot[row, head, slot] = target
+        return slot.numel()
 
     def after_step(self, cache, layer, call):
         closing = cache.state.closing
-        if layer.query_sum is not None and closing is not None and bool(closing.any()):
+        if layer.query_sum is not None and closing is not None:
             layer.query_sum[closing.to(layer.query_sum.device)] = 0.0  # a new sentence starts
 
 
