@@ -124,10 +124,12 @@ def _before_attention(steps, module, args, kwargs):
     if cache is None:
         return None
     layer = cache.layers[module.layer_idx]
-    if cache.press.selects_before_attention:  # skip building the call otherwise
-        press_before_attention(cache, layer, _call(module, args, kwargs, cache))
-    if cache.press.reads_step_queries and layer.logical_len > 0:  # after the prompt: capture the queries
-        steps[module.layer_idx] = cache, _call(module, args, kwargs, cache)
+    capture = cache.press.reads_step_queries and layer.logical_len > 0  # after the prompt: capture the queries
+    if cache.press.selects_before_attention or capture:  # skip building the call otherwise
+        call = _call(module, args, kwargs, cache)
+        press_before_attention(cache, layer, call)
+        if capture:
+            steps[module.layer_idx] = cache, call
     if not layer.compressed:
         return None
     impl = module.config._attn_implementation

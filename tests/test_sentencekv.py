@@ -91,8 +91,7 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     keys[..., 2] = torch.arange(store)  # tells the tokens apart
     layer.store_keys, layer.store_values = keys, -keys
     layer.store_positions = torch.arange(100, 100 + store)[None]
-    layer.store_sentence = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
-    layer.slot_sentence = layer.store_sentence[:, None]
+    layer.slot_sentence = torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]])
     layer.slot_rank, layer.sentence_sizes = rank_in_sentence(layer.slot_sentence, 2), torch.tensor([[[4, 4]]])
     layer.sentence_keys = torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None]
     layer.query_sum = torch.zeros(1, 1, d)

@@ -36,7 +36,6 @@ class SentenceLayer(KVLayer):
         self.loaded = 0  # slots of the loaded region
         self.store_keys = self.store_values = None
         self.store_positions: torch.Tensor | None = None  # (batch, R)
-        self.store_sentence: torch.Tensor | None = None  # (batch, R), -1: empty slot
         self.sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
         self.query_sum: torch.Tensor | None = None  # (batch, heads, head_dim): the sentence being generated
         self.resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
@@ -50,8 +49,8 @@ class SentenceLayer(KVLayer):
         return [t for t in (self.store_keys, self.store_values) if t is not None]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        extra = [self.store_positions, self.store_sentence, self.sentence_keys, self.query_sum, self.resident,
-                 self.device_slot]
+        sentence = None if self.slot_sentence is None else self.slot_sentence[:, 0]  # expanded: one head's storage
+        extra = [self.store_positions, sentence, self.sentence_keys, self.query_sum, self.resident, self.device_slot]
         return super().held_tensors() + self.offloaded_tensors() + [t for t in extra if t is not None]
 
 
@@ -173,9 +172,8 @@ class SentencePress(SnapKVPress):
         b, h, _, d = layer.keys.shape
         gather = store[:, None, :, None].expand(b, h, -1, d)
         keys, values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-        sentence = sentences.gather(1, store).masked_fill(~in_store, -1)
         n_sentences = int(sentences.max()) + 2  # the prompt's, and the empty one
-        bucket = sentence.masked_fill(~in_store, n_sentences - 1)
+        bucket = sentences.gather(1, store).masked_fill(~in_store, n_sentences - 1)
         slot = bucket[:, None, :, None].expand(b, h, -1, d)
         weight = in_store.to(keys.dtype)[:, None, :, None]
         sums = keys.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, keys * weight)
@@ -187,7 +185,7 @@ class SentencePress(SnapKVPress):
         layer.store_keys, layer.store_values = (t.to(layer.offload_device) for t in (keys, values))
         if pin:
             layer.store_keys, layer.store_values = layer.store_keys.pin_memory(), layer.store_values.pin_memory()
-        layer.store_positions, layer.store_sentence = store, sentence
+        layer.store_positions = store
 
     # --- decoding --------------------------------------------------------------------------------------------
     def on_queries(self, cache, layer, call):
