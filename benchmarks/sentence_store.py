@@ -1,11 +1,14 @@
 """Does SentenceKV's store hold the needle's number? Per layer, its digits in the store and loaded at step 1.
 
-For single-needle prompts (the samples of `sparsekv eval --tasks niah_single`, by index), the prompt runs under
-`SentencePress` for one decoding step; the script prints, per layer, how many of the number's tokens the
-prefilter kept in the offload store, and how many the first step loaded on each KV head. A digit missing from
-a layer's store can never be attended there, whatever the retrieval does.
+For needle prompts (the samples of `sparsekv eval --tasks niah_single` or `niah_multikey`, by index), the
+prompt runs under `SentencePress` for one decoding step; the script prints, per layer, how many of the asked
+number's tokens the prefilter kept in the offload store, how many the first step loaded on each KV head, and
+where that step ranked the needle's sentence on each head. A digit missing from a layer's store can never be
+attended there, whatever the retrieval does; a stored needle ranked low is the retrieval's miss (compare
+`--no-centre`).
 
     PYTHONPATH=. python benchmarks/sentence_store.py --model smollm2-135m --budget 128 --keep-factor 3 --samples 5,9
+    PYTHONPATH=. python benchmarks/sentence_store.py --task niah_multikey --keep-factor 3 --samples 2 --no-centre
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from tqdm.auto import tqdm
 
 from sparsekv import SentencePress
 from sparsekv.evaluation.prompts import encode
-from sparsekv.evaluation.tasks import niah_single
+from sparsekv.evaluation.tasks import TASKS
 from sparsekv.models import load_model
 from sparsekv.table import format_table
 
@@ -38,8 +41,23 @@ def number_coverage(model, tokenizer, ids: torch.Tensor, number: range, press: S
         stored = torch.isin(wanted, layer.store_positions[0].cpu()).sum()
         loaded = [int(torch.isin(wanted, heads[: layer.loaded].cpu()).sum()) for heads in layer.positions[0]]
         rows.append({"layer": i, "stored": f"{int(stored)}/{len(number)}",
-                     "loaded per head": " ".join(map(str, loaded))})
+                     "loaded per head": " ".join(map(str, loaded)),
+                     "sentence rank per head": " ".join(map(str, sentence_ranks(layer, wanted)))})
     return answer, rows
+
+
+def sentence_ranks(layer, wanted: torch.Tensor) -> list[str]:
+    """Per KV head, the rank (0 = best) of the needle's sentence among the stored sentences, as the first
+    step scored them; "-" when the store holds none of the number's tokens."""
+    hit = torch.isin(layer.store_positions[0].cpu(), wanted).nonzero()
+    if len(hit) == 0:
+        return ["-"] * layer.keys.shape[1]
+    needle = int(layer.slot_sentence[0, 0, hit[0, 0]])
+    b, h = layer.keys.shape[:2]
+    query = layer.query_sum.view(b, h, -1, layer.query_sum.shape[-1]).sum(dim=2, keepdim=True)
+    scores = (query @ layer.sentence_keys.transpose(-1, -2))[0, :, 0]  # (h, S), as the press ranks them
+    scores = scores.masked_fill(layer.sentence_sizes[0] == 0, float("-inf"))  # empty sentences take no budget
+    return [str(int((row > row[needle]).sum())) for row in scores]
 
 
 def main(argv=None):
@@ -47,19 +65,25 @@ def main(argv=None):
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--budget", type=int, default=128, help="tau, tokens attended per step")
+    parser.add_argument("--task", default="niah_single", choices=["niah_single", "niah_multikey"],
+                        help="the asked needle is the one traced (multikey: three distractors besides)")
     parser.add_argument("--keep-factor", type=float, default=2.0, help="r: r * tau tokens kept in the store")
+    parser.add_argument("--no-centre", dest="centre", action="store_false", help="eq. 1 on the cached keys")
+    parser.add_argument("--no-prompt-sentence", dest="prompt_sentence", action="store_false",
+                        help="start the mean query empty (the paper's Fig. 2)")
     parser.add_argument("--samples", default="5,9", help="sample indices, as `sparsekv eval --samples 20` numbers them")
     parser.add_argument("--of", type=int, default=20, help="samples in the sweep (sets each index's needle depth)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     for index in tqdm([int(i) for i in args.samples.split(",")], desc="samples"):
-        sample = niah_single(tokenizer, args.length, seed=index, depth=index / (args.of - 1))
+        sample = TASKS[args.task].make(tokenizer, args.length, index, index / (args.of - 1), None)
         ids = encode(tokenizer, sample).ids
         digits = sample.answers[0]
         start = needle_token(tokenizer, ids, digits)
         end = next(i for i in range(start + 1, ids.shape[1] + 1)
                    if digits in tokenizer.decode(ids[0, start:i].tolist()))
-        press = SentencePress(tokenizer, budget=args.budget, keep_factor=args.keep_factor)
+        press = SentencePress(tokenizer, budget=args.budget, keep_factor=args.keep_factor, centre=args.centre,
+                              prompt_sentence=args.prompt_sentence)
         answer, rows = number_coverage(model, tokenizer, ids, range(start, end), press)
         print(f"\nsample {index}: number {digits} at tokens {start}-{end - 1}; answer {answer!r}")
         print(format_table(rows, [(k, k, "") for k in rows[0]]))

@@ -9,8 +9,10 @@ import torch
 from conftest import greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
+from sparsekv.attention import project_queries, rotate
 from sparsekv.cache import GROW
 from sparsekv.presses.sentencekv import rank_in_sentence
+from sparsekv.segment import sentence_ids
 
 
 def press(**kw):
@@ -153,6 +155,82 @@ def test_a_row_filling_fewer_slots_loads_its_best_tokens_and_leaves_the_filler()
     assert layer.positions[0, 0, 3] == 3 and not layer.keys[0, 0, 3].any()  # the filler slot is never written
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
+    """Row 0's prompt ends inside a sentence (as an answer prefix does): after the prompt, each layer's query
+    sum is that sentence's own queries, recomputed here from the layer's input. Row 1 (left-padded) ends with
+    a sentence end, so it starts empty, as does every row with `prompt_sentence=False`."""
+    model, tok = make_model("qwen2", impl, vocab_size=420), make_tokenizer()  # every id of the tokenizer
+    text = " ".join(["The cat sat on the mat near the door.", "A dog ran far away!"] * 3)
+    open_ids, ended = (tok(text + end, return_tensors="pt").input_ids for end in (" The number is", " Done."))
+    pad = open_ids.shape[1] - ended.shape[1]
+    batch = torch.cat([open_ids, torch.cat([torch.zeros(1, pad, dtype=torch.long), ended], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :pad] = 0
+    sentences = sentence_ids(tok, open_ids)[0]
+    last = int((sentences == sentences[-1]).nonzero().min())
+    assert last > 0  # a strict suffix of the prompt
+    inputs = {}
+
+    def record(module, args, kwargs):
+        inputs[module.layer_idx] = kwargs
+
+    hooks = [m.self_attn.register_forward_pre_hook(record, with_kwargs=True) for m in model.model.layers]
+    for p in (press(budget=30), press(budget=30, prompt_sentence=False)):
+        with p(model), torch.no_grad():
+            cache = model(batch, attention_mask=mask).past_key_values
+        for i, layer in enumerate(cache.layers):
+            kw = inputs[i]
+            cos, sin = kw["position_embeddings"]
+            queries = project_queries(model.model.layers[i].self_attn, kw["hidden_states"][:1, last:],
+                                      (cos[:1, last:], sin[:1, last:]))
+            expected = queries.sum(dim=2) if p.prompt_sentence else torch.zeros_like(layer.query_sum[:1])
+            torch.testing.assert_close(layer.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
+            assert not layer.query_sum[1].any()
+    for h in hooks:
+        h.remove()
+
+
+@pytest.mark.parametrize("centre", [True, False])
+def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(centre):
+    """Each sentence's vector, recomputed from the layer's key projection: the mean over its stored tokens of
+    the key minus the prompt's mean key (before RoPE, then rotated to the token's position) with `centre`,
+    of the cached key without. Batch of 2 with left padding: padding is in no mean."""
+    model, tok = make_model("qwen2", vocab_size=420), make_tokenizer()
+    tok.padding_side = "left"
+    lines = ["The cat sat on the mat.", "A dog ran far away!", "Is it raining?", "We left at noon."]
+    batch = tok([" ".join(lines * 4), " ".join(lines[::-1] * 3)], return_tensors="pt", padding=True)
+    ids, mask = batch.input_ids, batch.attention_mask
+    assert not mask[1, 0]  # the second row is left-padded
+    inputs = {}
+
+    def record(module, args, kwargs):
+        inputs[module.layer_idx] = kwargs
+
+    hooks = [m.self_attn.register_forward_pre_hook(record, with_kwargs=True) for m in model.model.layers]
+    with press(budget=30, centre=centre)(model), torch.no_grad():
+        cache = model(ids, attention_mask=mask).past_key_values
+    for h in hooks:
+        h.remove()
+    for i, layer in enumerate(cache.layers):
+        attn, kw = model.model.layers[i].self_attn, inputs[i]
+        b, n = ids.shape
+        with torch.no_grad():
+            plain = attn.k_proj(kw["hidden_states"]).view(b, n, -1, attn.head_dim).transpose(1, 2)
+        weight = mask[:, None, :, None].float()
+        mean = (plain * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True) if centre else 0.0
+        keys = rotate(plain - mean, kw["position_embeddings"])
+        empty = layer.sentence_keys.shape[2] - 1  # the sentence of empty store slots
+        for row in range(b):
+            stored = layer.store_positions[row]
+            sentence = layer.slot_sentence[row, 0]
+            assert len(sentence[sentence != empty].unique()) > 3
+            for s_id in sentence[sentence != empty].unique().tolist():
+                at = stored[sentence == s_id]
+                torch.testing.assert_close(layer.sentence_keys[row, :, s_id], keys[row, :, at].mean(1),
+                                           rtol=1e-4, atol=1e-4)
+
+
 def test_sentence_ranks():
     sentence = torch.tensor([[0, 0, 2, 2, 2, 1, 3, 3]])  # ids need not follow positions (split sentences)
     assert rank_in_sentence(sentence, 4).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
@@ -171,6 +249,8 @@ def test_alias_repr_and_errors():
     assert "tokenizer" not in repr(press(budget=64))
     with pytest.raises(ValueError, match="tokenizer is required"):
         SentencePress(budget=64)
+    with pytest.raises(ValueError, match="prompt_sentence must be True or False"):
+        press(budget=64, prompt_sentence=1)
     with pytest.raises(ValueError, match="keep_factor must be a number >= 1"):
         press(budget=64, keep_factor=0.5)
     with pytest.raises(ValueError, match="offload_device"):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..attention import rotate
 from ..cache import KVLayer
 from ..segment import closes_sentence, sentence_ids
 from .snapkv import SnapKVPress
@@ -18,7 +19,7 @@ class SentenceState:
     """Per generation: each prompt token's sentence, and which rows' last input token ended a sentence."""
 
     sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
-    closing: torch.Tensor | None = None  # (batch,), None when no row's last token ended a sentence
+    closing: torch.Tensor | None = None  # (batch,), None when no row's last token ended a sentence (prompt too)
 
 
 class SentenceLayer(KVLayer):
@@ -63,13 +64,18 @@ class SentencePress(SnapKVPress):
     sentences cut at mean + 2 std tokens, A.7). SnapKV's window scores, summed over the heads, keep the best
     `keep_factor * budget` prompt tokens over all sentences (A.7's global prefilter); apart from the attention
     sinks and the recent window, which stay on the device, their KV goes to the store on `offload_device`, and
-    each sentence's mean key per KV head over its kept tokens (eq. 1) stays on the device.
+    each sentence's mean key per KV head over its kept tokens (eq. 1, relative to the prompt's mean key: `centre`)
+    stays on the device.
     Decoding (sec. 4.2): the queries of the tokens of the sentence being generated are averaged (eq. 2; reset
-    after a token that ends a sentence), the query heads of each GQA group averaged, and per KV head sentences
-    are ranked by `q . k_s`; the tokens of the best sentences (the first ones by position of the last sentence,
-    which is cut) are loaded until the budget. Only tokens entering the selection are copied from the store, in
-    one gather and one write per layer; none when it did not change. The queries are the step's own (captured
-    after the layer's projection, `on_queries`). Attention reads sinks + loaded + recent window + generated.
+    after a token that ends a sentence; started by the prompt's unfinished last sentence: `prompt_sentence`), the
+    query heads of each GQA group averaged, and per KV head sentences are ranked by `q . k_s`; the tokens of the
+    best sentences (the first ones by position of the last sentence, which is cut) are loaded until the budget.
+    Only tokens entering the selection are copied from the store, in one gather and one write per layer; none
+    when it did not change. The queries are the step's own (captured after the layer's projection,
+    `on_queries`). Attention reads sinks + loaded + recent window + generated.
+
+    Choices the paper leaves open (sparsekv's; `prompt_sentence` and `centre` below, each with its measured
+    effect in the README): where the sentence being generated starts, and what RoPE does to eq. 1's mean keys.
 
     Args:
         tokenizer: the model's tokenizer (required: sentences are found in the decoded prompt).
@@ -84,6 +90,14 @@ class SentencePress(SnapKVPress):
         offload_device: where the store lives (default "cpu"; pinned memory when the model is on CUDA).
         max_sentence_tokens: longest sentence bucket; longer ones are cut (default 128, ~4x the paper's median
             sentence of 25-30 tokens; only matters when mean + 2 std does not apply, e.g. one sentence).
+        prompt_sentence: when the prompt ends inside a sentence (an answer prefix such as "The number is"), the
+            sentence being generated began in the prompt, and its prompt tokens' queries start the mean query
+            (default True). False: an empty sentence cache at the first step, as the paper's Fig. 2 (there, the
+            first generated digits' queries alone lose the needle). A prompt that ends a sentence starts empty.
+        centre: sentence vectors from each kept key minus the prompt's mean key (taken before RoPE, rotated back
+            to the key's position), default True. Without RoPE this ranks sentences as eq. 1 does (`q . mean` is
+            the same for all); with RoPE the shared component turns with position and ranks sentences by
+            distance, the recent and the first ones on top. False: eq. 1 on the cached keys.
     """
 
     tokenizer: Any = field(default=None, repr=False, compare=False, kw_only=False)
@@ -91,6 +105,8 @@ class SentencePress(SnapKVPress):
     n_sinks: int = 32
     offload_device: str = "cpu"
     max_sentence_tokens: int = 128
+    prompt_sentence: bool = True
+    centre: bool = True
 
     def __post_init__(self):
         if self.tokenizer is None:
@@ -103,6 +119,9 @@ class SentencePress(SnapKVPress):
             if not (isinstance(value, int) and value >= (0 if name == "n_sinks" else 1)):
                 raise ValueError(f"SentencePress: {name} must be an integer >= {0 if name == 'n_sinks' else 1}; "
                                  f"got {value!r}.")
+        for name in ("prompt_sentence", "centre"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SentencePress: {name} must be True or False; got {getattr(self, name)!r}.")
         try:
             torch.device(self.offload_device)
         except (RuntimeError, TypeError):
@@ -126,9 +145,8 @@ class SentencePress(SnapKVPress):
         if cache.state.sentences is None:  # the prompt
             cache.state.sentences = sentence_ids(self.tokenizer, input_ids, cache.input_valid,
                                                  self.max_sentence_tokens)
-        else:
-            closing = closes_sentence(self.tokenizer, input_ids[:, -1])
-            cache.state.closing = closing if bool(closing.any()) else None  # None: no layer has work to do
+        closing = closes_sentence(self.tokenizer, input_ids[:, -1])  # left padding: every row's last token
+        cache.state.closing = closing if bool(closing.any()) else None  # None: no layer has work to do
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache, layer, call):
@@ -149,7 +167,8 @@ class SentencePress(SnapKVPress):
         store = torch.where(in_store, store, n).sort(dim=-1).values  # by position; n: an empty slot, last
         in_store = store < n
         store = store.clamp(max=n - 1)
-        self._fill_store(layer, store, in_store, cache.state.sentences.to(device))
+        shared = self._shared_keys(layer, call, valid, store) if self.centre else 0.0
+        self._fill_store(layer, store, in_store, cache.state.sentences.to(device), shared)
         # Device slots: the loaded region (filled at the first decoding step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
         layer.loaded = int(taus.max()) - fixed
@@ -160,12 +179,30 @@ class SentencePress(SnapKVPress):
         layer.select(slots, torch.cat([real, valid.gather(1, keep)], dim=1))
         layer.query_sum = torch.zeros(b, call.module.config.num_attention_heads, layer.keys.shape[-1],
                                       device=device, dtype=torch.float32)
+        if self.prompt_sentence:
+            self._seed_queries(cache, layer, call)
         layer.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
         layer.slot_rank = rank_in_sentence(layer.slot_sentence[:, :1], layer.sentence_keys.shape[2])
 
     @staticmethod
-    def _fill_store(layer, store, in_store, sentences):
-        """The prefiltered tokens' KV to the offload store; per sentence, the mean key of its kept tokens.
+    def _shared_keys(layer, call, valid, store):
+        """The prompt's mean key, taken before RoPE, rotated to each stored token's position `(b, h, R, d)`.
+
+        Under RoPE the component every key shares turns with position, so `q . k` carries a term that depends
+        on distance alone, large enough to rank sentences by position (the recent ones first). Subtracting this
+        leaves `q . k` minus `q . mean`, which for keys without RoPE is eq. 1's ranking exactly.
+        """
+        weight = valid[:, None, :, None].float()
+        plain = rotate(layer.keys.float(), call.position_embeddings, inverse=True)
+        mean = (plain * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
+        b, r = store.shape
+        at = [t.expand(b, -1, -1).gather(1, store[..., None].expand(-1, -1, t.shape[-1]))
+              for t in call.position_embeddings]
+        return rotate(mean.expand(-1, -1, r, -1), at)
+
+    @staticmethod
+    def _fill_store(layer, store, in_store, sentences, shared):
+        """The prefiltered tokens' KV to the offload store; per sentence, the mean of their keys minus `shared`.
 
         Empty store slots go to one more, empty, sentence (mean key 0, no tokens): it never takes budget.
         """
@@ -175,10 +212,10 @@ class SentencePress(SnapKVPress):
         n_sentences = int(sentences.max()) + 2  # the prompt's, and the empty one
         bucket = sentences.gather(1, store).masked_fill(~in_store, n_sentences - 1)
         slot = bucket[:, None, :, None].expand(b, h, -1, d)
-        weight = in_store.to(keys.dtype)[:, None, :, None]
-        sums = keys.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, keys * weight)
-        counts = keys.new_zeros(b, n_sentences).scatter_add_(1, bucket, in_store.to(keys.dtype))
-        layer.sentence_keys = (sums / counts.clamp(min=1)[:, None, :, None]).float()
+        weight = in_store.float()[:, None, :, None]
+        sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, (keys.float() - shared) * weight)
+        counts = weight.new_zeros(b, n_sentences).scatter_add_(1, bucket, in_store.float())
+        layer.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
         layer.sentence_sizes = counts.long()[:, None]  # (b, 1, S) stored tokens of each sentence
         layer.slot_sentence = bucket[:, None].expand(b, h, -1)
         pin = layer.offload_device.type == "cpu" and keys.is_cuda
@@ -186,6 +223,20 @@ class SentencePress(SnapKVPress):
         if pin:
             layer.store_keys, layer.store_values = layer.store_keys.pin_memory(), layer.store_values.pin_memory()
         layer.store_positions = store
+
+    @staticmethod
+    def _seed_queries(cache, layer, call):
+        """Start each row's sentence query sum (eq. 2) with the queries of its prompt's last sentence when the
+        prompt ends inside that sentence: the sentence being generated began in the prompt."""
+        closing = cache.state.closing
+        sentences = cache.state.sentences.to(layer.query_sum.device)
+        last = sentences == sentences[:, -1:]  # left padding: the last column is every row's last real token
+        if closing is not None:
+            last &= ~closing.to(last.device)[:, None]
+        if not bool(last.any()):
+            return
+        start = int(last.long().argmax(dim=1).where(last.any(dim=1), last.shape[1]).min())
+        layer.query_sum += (call.queries(start).float() * last[:, None, start:, None]).sum(dim=2)
 
     # --- decoding --------------------------------------------------------------------------------------------
     def on_queries(self, cache, layer, call):
