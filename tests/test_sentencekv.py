@@ -191,6 +191,27 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
         h.remove()
 
 
+def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
+    """Right after the prompt (no decoding step yet), every real loaded slot holds a stored token's KV, on every
+    head of both rows (one left-padded): decoding that cache attends no placeholder."""
+    model = make_model("llama")
+    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with press(budget=30)(model), torch.no_grad():
+        cache = model(ids, attention_mask=mask).past_key_values
+    for layer in compressed(cache):
+        for row in range(2):
+            fill = int(layer.fill[row])
+            assert fill > 0 and layer.valid[row, :fill].all()
+            for head in range(layer.keys.shape[1]):
+                positions = layer.positions[row, head, :fill]
+                slot = (layer.store_positions[row][None] == positions[:, None]).float().argmax(-1)
+                assert torch.equal(layer.store_positions[row, slot], positions)  # a stored token, no placeholder
+                assert torch.equal(layer.keys[row, head, :fill], layer.store_keys[row, head, slot])
+                assert torch.equal(layer.values[row, head, :fill], layer.store_values[row, head, slot])
+
+
 @pytest.mark.parametrize("centre", [True, False])
 def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(centre):
     """Each sentence's vector, recomputed from the layer's key projection: the mean over its stored tokens of

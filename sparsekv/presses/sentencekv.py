@@ -169,7 +169,7 @@ class SentencePress(SnapKVPress):
         store = store.clamp(max=n - 1)
         shared = self._shared_keys(layer, call, valid, store) if self.centre else 0.0
         self._fill_store(layer, store, in_store, cache.state.sentences.to(device), shared)
-        # Device slots: the loaded region (filled at the first decoding step), then sinks + window. Rows with fewer
+        # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
         layer.loaded = int(taus.max()) - fixed
         layer.fill = torch.minimum(taus.to(device) - fixed, in_store.sum(-1))[:, None, None]
@@ -183,6 +183,8 @@ class SentencePress(SnapKVPress):
             self._seed_queries(cache, layer, call)
         layer.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
         layer.slot_rank = rank_in_sentence(layer.slot_sentence[:, :1], layer.sentence_keys.shape[2])
+        # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
+        self._load(layer, self._chosen(layer))
 
     @staticmethod
     def _shared_keys(layer, call, valid, store):
@@ -247,17 +249,7 @@ class SentencePress(SnapKVPress):
         if call.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
         layer.query_sum += queries.sum(dim=2)
-        # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
-        b, h = layer.keys.shape[:2]
-        query = layer.query_sum.view(b, h, -1, queries.shape[-1]).sum(dim=2, keepdim=True)
-        similarity = (query @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]  # (b, h, S)
-        # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
-        # sentences, then a per-slot test, never a sort over the stored tokens.
-        ranked = similarity.argsort(dim=-1, descending=True, stable=True)
-        sizes = layer.sentence_sizes.expand(b, h, -1).gather(-1, ranked)
-        taken = (layer.fill - (sizes.cumsum(-1) - sizes)).clamp(min=0).minimum(sizes)
-        taken = torch.zeros_like(taken).scatter_(-1, ranked, taken)
-        chosen = layer.slot_rank < taken.gather(-1, layer.slot_sentence)  # (b, h, R), `fill` True per head
+        chosen = self._chosen(layer)
         cache.seconds["select"] += time.perf_counter() - start
         start = time.perf_counter()
         copied = self._load(layer, chosen)
@@ -265,6 +257,21 @@ class SentencePress(SnapKVPress):
         cache.counts["loaded_tokens"] += copied
         cache.counts["loads"] += copied > 0
         cache.counts["selections"] += 1
+
+    @staticmethod
+    def _chosen(layer) -> torch.Tensor:
+        """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head."""
+        # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
+        b, h = layer.keys.shape[:2]
+        query = layer.query_sum.view(b, h, -1, layer.query_sum.shape[-1]).sum(dim=2, keepdim=True)
+        similarity = (query @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]  # (b, h, S)
+        # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
+        # sentences, then a per-slot test, never a sort over the stored tokens.
+        ranked = similarity.argsort(dim=-1, descending=True, stable=True)
+        sizes = layer.sentence_sizes.expand(b, h, -1).gather(-1, ranked)
+        taken = (layer.fill - (sizes.cumsum(-1) - sizes)).clamp(min=0).minimum(sizes)
+        taken = torch.zeros_like(taken).scatter_(-1, ranked, taken)
+        return layer.slot_rank < taken.gather(-1, layer.slot_sentence)
 
     @staticmethod
     def _load(layer, chosen) -> int:
@@ -275,7 +282,7 @@ class SentencePress(SnapKVPress):
         per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
         not care about slot order (keys carry their RoPE), so the loaded region needs none.
         """
-        if layer.resident is None:  # first step: the region is free, chosen slots fill it from the front
+        if layer.resident is None:  # at compress: the region is free, chosen slots fill it from the front
             enter = chosen
             target = (chosen.cumsum(-1) - 1)[chosen]
         else:
