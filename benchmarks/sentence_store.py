@@ -53,9 +53,7 @@ def sentence_ranks(layer, wanted: torch.Tensor) -> list[str]:
     if len(hit) == 0:
         return ["-"] * layer.keys.shape[1]
     needle = int(layer.slot_sentence[0, 0, hit[0, 0]])
-    b, h = layer.keys.shape[:2]
-    query = layer.query_sum.view(b, h, -1, layer.query_sum.shape[-1]).sum(dim=2, keepdim=True)
-    scores = (query @ layer.sentence_keys.transpose(-1, -2))[0, :, 0]  # (h, S), as the press ranks them
+    scores = SentencePress.similarity(layer)[0]  # (h, S), as the press ranks them
     scores = scores.masked_fill(layer.sentence_sizes[0] == 0, float("-inf"))  # empty sentences take no budget
     return [str(int((row > row[needle]).sum())) for row in scores]
 

@@ -259,12 +259,18 @@ class SentencePress(SnapKVPress):
         cache.counts["selections"] += 1
 
     @staticmethod
-    def _chosen(layer) -> torch.Tensor:
-        """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head."""
+    def similarity(layer) -> torch.Tensor:
+        """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector."""
         # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
         b, h = layer.keys.shape[:2]
         query = layer.query_sum.view(b, h, -1, layer.query_sum.shape[-1]).sum(dim=2, keepdim=True)
-        similarity = (query @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]  # (b, h, S)
+        return (query @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]
+
+    @classmethod
+    def _chosen(cls, layer) -> torch.Tensor:
+        """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head."""
+        similarity = cls.similarity(layer)
+        b, h = similarity.shape[:2]
         # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
         # sentences, then a per-slot test, never a sort over the stored tokens.
         ranked = similarity.argsort(dim=-1, descending=True, stable=True)
