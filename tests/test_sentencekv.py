@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -101,6 +102,22 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     return layer
 
 
+@contextmanager
+def attention_inputs(model):
+    """Each layer's attention keyword inputs (`hidden_states`, `position_embeddings`, ...) of the last forward."""
+    inputs = {}
+
+    def record(module, args, kwargs):
+        inputs[module.layer_idx] = kwargs
+
+    hooks = [m.self_attn.register_forward_pre_hook(record, with_kwargs=True) for m in model.model.layers]
+    try:
+        yield inputs
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def loaded_positions(layer, n: int) -> list[int]:
     """Positions of the first `n` loaded slots, sorted, after checking each slot holds its store token's KV."""
     positions = layer.positions[0, 0, :n]
@@ -170,14 +187,8 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
     sentences = sentence_ids(tok, open_ids)[0]
     last = int((sentences == sentences[-1]).nonzero().min())
     assert last > 0  # a strict suffix of the prompt
-    inputs = {}
-
-    def record(module, args, kwargs):
-        inputs[module.layer_idx] = kwargs
-
-    hooks = [m.self_attn.register_forward_pre_hook(record, with_kwargs=True) for m in model.model.layers]
     for p in (press(budget=30), press(budget=30, prompt_sentence=False)):
-        with p(model), torch.no_grad():
+        with attention_inputs(model) as inputs, p(model), torch.no_grad():
             cache = model(batch, attention_mask=mask).past_key_values
         for i, layer in enumerate(cache.layers):
             kw = inputs[i]
@@ -187,8 +198,6 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
             expected = queries.sum(dim=2) if p.prompt_sentence else torch.zeros_like(layer.query_sum[:1])
             torch.testing.assert_close(layer.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
             assert not layer.query_sum[1].any()
-    for h in hooks:
-        h.remove()
 
 
 def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
@@ -223,16 +232,8 @@ def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(cent
     batch = tok([" ".join(lines * 4), " ".join(lines[::-1] * 3)], return_tensors="pt", padding=True)
     ids, mask = batch.input_ids, batch.attention_mask
     assert not mask[1, 0]  # the second row is left-padded
-    inputs = {}
-
-    def record(module, args, kwargs):
-        inputs[module.layer_idx] = kwargs
-
-    hooks = [m.self_attn.register_forward_pre_hook(record, with_kwargs=True) for m in model.model.layers]
-    with press(budget=30, centre=centre)(model), torch.no_grad():
+    with attention_inputs(model) as inputs, press(budget=30, centre=centre)(model), torch.no_grad():
         cache = model(ids, attention_mask=mask).past_key_values
-    for h in hooks:
-        h.remove()
     for i, layer in enumerate(cache.layers):
         attn, kw = model.model.layers[i].self_attn, inputs[i]
         b, n = ids.shape
