@@ -49,6 +49,7 @@ def test_physical_budget_held(any_model, name):
     cache = out.past_key_values
     grows = name in ("snapkv", "chunkkv", "sentencekv")  # H2O and StreamingLLM evict while decoding
     whole = 30 - (30 - 8) % 4 if name == "chunkkv" else 30  # whole chunks only: the remainder stays unused
+    whole += 4 + 8 if name == "sentencekv" else 0  # tau counts loaded tokens; 4 sinks + 8 recent besides
     for layer in compressed_layers(cache):
         assert layer.keys.shape[-2] == layer.values.shape[-2] == (whole + new - 1 if grows else whole)
         assert layer.logical_len == 100 + new - 1

@@ -50,20 +50,20 @@ def test_budget_and_memory_held_at_every_step(impl):
             out = model(token, past_key_values=cache)
             token = out.logits[:, -1:].argmax(-1)
             for layer in compressed(cache):
-                assert layer.keys.shape[-2] == tau + step  # tau prompt slots + generated tokens
-                assert int(layer.valid.sum()) == tau + step  # every slot real: 18 loaded + 4 sinks + 8 recent
+                assert layer.keys.shape[-2] == tau + 12 + step  # tau loaded + 4 sinks + 8 recent + generated
+                assert int(layer.valid.sum()) == tau + 12 + step  # every slot real
                 prompt_slots = layer.positions[0, :, layer.positions[0, 0] < n]
-                assert prompt_slots.shape[-1] == tau and (prompt_slots[:, :4] >= 0).all()
+                assert prompt_slots.shape[-1] == tau + 12 and (prompt_slots[:, :4] >= 0).all()
                 assert set(range(4)) <= set(prompt_slots[0].tolist()) and set(range(n - 8, n)) <= set(
                     prompt_slots[0].tolist())
-                assert layer.store_keys.shape[-2] == r * tau - 12  # r * tau kept, sinks and window on device
+                assert layer.store_keys.shape[-2] == r * tau  # r * tau kept besides the sinks and window
                 assert layer.store_keys.device == torch.device(p.offload_device)
                 assert layer.store_keys.data_ptr() != layer.keys.data_ptr()
     stats = cache.stats()
     per_token = 2 * 2 * 16 * 4  # keys + values, 2 KV heads, head_dim 16, float32
-    # tau + 15 generated slots, in a buffer made at the first step with GROW free slots for in-place appends
-    assert stats.kv_bytes == len(compressed(cache)) * (tau + 1 + GROW) * per_token
-    assert stats.offloaded_bytes == len(compressed(cache)) * (r * tau - 12) * per_token
+    # tau + 12 + 15 generated slots, in a buffer made at the first step with GROW free slots for in-place appends
+    assert stats.kv_bytes == len(compressed(cache)) * (tau + 12 + 1 + GROW) * per_token
+    assert stats.offloaded_bytes == len(compressed(cache)) * r * tau * per_token
     assert stats.counts["selections"] == 15 * len(compressed(cache))
     assert 0 < stats.counts["loads"] <= stats.counts["selections"]
     assert {"compress", "select", "load"} <= set(stats.seconds)
@@ -129,7 +129,7 @@ def loaded_positions(layer, n: int) -> list[int]:
 def test_selection_follows_the_query_and_resets_at_sentence_ends():
     """Two sentences with orthogonal mean keys: the loaded one is the one the generated sentence's mean query
     points at, and it changes once a sentence ends and the next one points elsewhere."""
-    p = press(budget=16)  # 4 loaded slots
+    p = press(budget=4)  # 4 loaded slots
     layer, d = two_sentence_layer(p), 4
     cache = fake_cache()
     toward = lambda i: torch.eye(d)[i].view(1, 1, 1, d)  # noqa: E731
@@ -150,7 +150,7 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
 def test_only_tokens_entering_the_selection_are_copied():
     """6 loaded slots: the best sentence whole, then the other's first 2 tokens. When the query turns, the 4
     tokens kept by both selections stay in their slots; the 2 that enter take the slots of the 2 that leave."""
-    p = press(budget=18)
+    p = press(budget=6)
     layer = two_sentence_layer(p, fill=6, loaded=6)
     cache = fake_cache()
     p.on_queries(cache, layer, fake_call(torch.eye(4)[0].view(1, 1, 1, 4)))
@@ -164,7 +164,7 @@ def test_only_tokens_entering_the_selection_are_copied():
 
 
 def test_a_row_filling_fewer_slots_loads_its_best_tokens_and_leaves_the_filler():
-    p = press(budget=16)
+    p = press(budget=4)
     layer = two_sentence_layer(p, fill=3)
     cache = fake_cache()
     p.on_queries(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4)))
@@ -278,8 +278,8 @@ def test_alias_repr_and_errors():
     with pytest.raises(ValueError, match="offload_device"):
         press(budget=64, offload_device="floppy")
     model = make_model("llama")
-    with press(budget=12)(model), pytest.raises(ValueError, match="n_sinks=4 \\+ window_size=8 \\+ 1"):
-        model(prompt(40))
+    with press(budget=12)(model), pytest.raises(ValueError, match="longer than n_sinks=4 \\+ window_size=8"):
+        model(prompt(12))
     with press(budget=20)(model), pytest.raises(ValueError, match="needs input_ids"):
         model(inputs_embeds=model.get_input_embeddings()(prompt(40)))
     assert isinstance(SparseCache(press(budget=20), model.config).layers[0], KVLayer)

@@ -62,8 +62,8 @@ class SentencePress(SnapKVPress):
 
     Prefill (paper sec. 4.1): the prompt is split into sentences (`sparsekv.segment`: Punkt, blank lines, long
     sentences cut at mean + 2 std tokens, A.7). SnapKV's window scores, summed over the heads, keep the best
-    `keep_factor * budget` prompt tokens over all sentences (A.7's global prefilter); apart from the attention
-    sinks and the recent window, which stay on the device, their KV goes to the store on `offload_device`, and
+    `keep_factor * budget` prompt tokens over all sentences besides the attention sinks and the recent window,
+    which stay on the device (A.7's global prefilter); their KV goes to the store on `offload_device`, and
     each sentence's mean key per KV head over its kept tokens (eq. 1, relative to the prompt's mean key: `centre`)
     stays on the device.
     Decoding (sec. 4.2): the queries of the tokens of the sentence being generated are averaged (eq. 2; reset
@@ -76,14 +76,17 @@ class SentencePress(SnapKVPress):
 
     Choices the paper leaves open (sparsekv's; `prompt_sentence` and `centre` below, each with its measured
     effect in the README): where the sentence being generated starts, and what RoPE does to eq. 1's mean keys.
+    The sinks and the recent window (32 + 32, from the authors' code; the paper names neither) come on top of
+    the tau loaded tokens, as the paper's tau counts retrieved tokens only.
 
     Args:
         tokenizer: the model's tokenizer (required: sentences are found in the decoded prompt).
-        budget: tau, prompt tokens attended at each decoding step, sinks and recent window included (as the
-            authors' code: tau - 64 loaded + 32 sinks + 32 recent).
+        budget: tau, stored prompt tokens loaded and attended at each decoding step (Algorithm 1 line 17:
+            "retrieve top-tau tokens"); the `n_sinks` sinks and the recent window are attended besides (the
+            authors' code instead loads tau - 64, counting them in tau).
         ratio: tau as a fraction of each prompt, instead of `budget`.
-        keep_factor: r, prompt tokens kept (in the store and on device) per token of tau (default 2, sec. 4.1
-            "r = 2 or 3").
+        keep_factor: r, prompt tokens kept in the store per token of tau (default 2, sec. 4.1 "r = 2 or 3"; the
+            paper's NIAH result uses 3).
         n_sinks: first prompt tokens always attended (default 32, the authors' code).
         window_size: SnapKV's observation window, also the recent window always attended (default 32).
         kernel_size, pooling: SnapKV's scoring (see `SnapKVPress`).
@@ -130,8 +133,7 @@ class SentencePress(SnapKVPress):
         super().__post_init__()
 
     def min_kept(self):
-        fixed = self.n_sinks + self.window_size
-        return fixed + 1, f"n_sinks={self.n_sinks} + window_size={self.window_size} + 1 loaded token"
+        return 1, "1 loaded token"
 
     def new_layer(self, layer_idx):
         return SentenceLayer(self.offload_device)
@@ -151,17 +153,22 @@ class SentencePress(SnapKVPress):
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache, layer, call):
         taus = self.row_budgets(cache, *self.min_kept())
-        if self.keeps_everything(cache):
+        fixed = self.n_sinks + self.window_size
+        if int(cache.prompt_lengths.min()) <= fixed:
+            raise ValueError(f"SentencePress: the prompt ({int(cache.prompt_lengths.min())} tokens) must be longer "
+                             f"than n_sinks={self.n_sinks} + window_size={self.window_size}, which are always "
+                             f"attended; use a longer prompt or smaller n_sinks / window_size.")
+        if bool((taus + fixed >= cache.prompt_lengths).all()):  # every prompt token would be attended anyway
             return
         b, h, n, _ = layer.keys.shape
-        device, fixed = layer.keys.device, self.n_sinks + self.window_size
+        device = layer.keys.device
         start = cache.prompt_start.to(device)[:, None]
         index = torch.arange(n, device=device)
         valid = call.valid()
         resident = ((index >= start) & (index < start + self.n_sinks)) | (index >= n - self.window_size)
         # Global prefilter (A.7): the best r * tau prompt tokens, summed over the heads; sinks and window apart.
         scores = self.window_scores(cache, layer, call).sum(dim=1).masked_fill(resident | ~valid, float("-inf"))
-        kept = ((taus.double() * self.keep_factor).round().long() - fixed).to(device)
+        kept = (taus.double() * self.keep_factor).round().long().to(device)
         store = scores.sort(dim=-1, descending=True, stable=True).indices[:, : int(kept.max())]
         in_store = (torch.arange(store.shape[1], device=device) < kept[:, None]) & scores.gather(1, store).isfinite()
         store = torch.where(in_store, store, n).sort(dim=-1).values  # by position; n: an empty slot, last
@@ -171,8 +178,8 @@ class SentencePress(SnapKVPress):
         self._fill_store(layer, store, in_store, cache.state.sentences.to(device), shared)
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
-        layer.loaded = int(taus.max()) - fixed
-        layer.fill = torch.minimum(taus.to(device) - fixed, in_store.sum(-1))[:, None, None]
+        layer.loaded = int(taus.max())
+        layer.fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]
         real = torch.arange(layer.loaded, device=device) < layer.fill[:, 0]  # (b, loaded)
         keep = resident.nonzero()[:, 1].view(b, -1)  # every row has exactly n_sinks + window_size resident
         slots = torch.cat([keep.new_zeros(b, layer.loaded), keep], dim=1)[:, None].expand(b, h, -1)

@@ -38,11 +38,10 @@ class SnapKVPress(ScorerPress):
             raise ValueError(f"SnapKVPress: kernel_size must be an odd integer >= 1; got {self.kernel_size!r}.")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"SnapKVPress: pooling must be 'max' or 'avg'; got {self.pooling!r}.")
-        if self.budget is not None and self.budget < self.window_size:
-            raise ValueError(
-                f"SnapKVPress: budget={self.budget} must be at least window_size={self.window_size} "
-                "(it counts the window)."
-            )
+        minimum, what = self.min_kept()
+        if self.budget is not None and self.budget < minimum:
+            raise ValueError(f"{type(self).__name__}: budget={self.budget} must be at least {what} (kept within "
+                             "the budget).")
 
     def min_kept(self):
         return self.window_size, f"window_size={self.window_size}"
