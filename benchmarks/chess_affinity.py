@@ -41,7 +41,7 @@ def page_scores(model, ids: torch.Tensor, press: CHESSPress) -> tuple[torch.Tens
     pages the press selected."""
     with press(model):
         out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
-    state = out.past_key_values.state
+    state = out.cache.state
     vectors, anchor, candidate = press.page_vectors(state.page_sums, torch.tensor([ids.shape[1]]))
     return (vectors @ anchor[..., None])[0, :, 0].masked_fill(~candidate[0], float("-inf")), state.selected[0]
 

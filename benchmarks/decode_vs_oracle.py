@@ -30,7 +30,7 @@ def median_step_ms(model, cache, token: torch.Tensor, steps: int) -> float:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
@@ -60,9 +60,9 @@ def main():
         press = make_press(spec, ratio=args.ratio, tokenizer=tokenizer)
         with press(model):
             out = model(ids, use_cache=True)
-        prefilled[spec] = press, out.past_key_values, out.logits[:, -1:].argmax(-1)
+        prefilled[spec] = press, out.cache, out.logits[:, -1:].argmax(-1)
     out = model(ids[:, -round(args.ratio * args.length):], use_cache=True)
-    oracle = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    oracle = out.cache, out.logits[:, -1:].argmax(-1)
 
     steps = {name: [] for name in [*specs, "oracle"]}
     for _ in tqdm(range(args.repeats), desc="repeats"):

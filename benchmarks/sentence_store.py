@@ -35,7 +35,7 @@ def number_coverage(model, tokenizer, ids: torch.Tensor, number: range, press: S
         out = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)  # one step
     wanted = torch.tensor(list(number))
     rows = []
-    for i, layer in enumerate(out.past_key_values.layers):
+    for i, layer in enumerate(out.cache.layers):
         if getattr(layer, "store_positions", None) is None:
             continue
         stored = torch.isin(wanted, layer.store_positions[0].cpu()).sum()

@@ -202,10 +202,10 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
     with PeakRSS() as rss, press(model) if press is not None else nullcontext():
         out, _, stamps = timed_generate(model, ids, max_new_tokens, min_new_tokens=max_new_tokens,
                                         pad_token_id=pad_token_id)
-    resident, attended, kv_bytes = cache_footprint(out.past_key_values)
+    resident, attended, kv_bytes = cache_footprint(out.cache)
     steps = step_latencies(stamps)
-    seconds = dict(getattr(out.past_key_values, "seconds", {}))  # press work, a SparseCache only
-    jaccard = out.past_key_values.stats().layer_jaccard if hasattr(out.past_key_values, "stats") else []
+    seconds = dict(getattr(out.cache, "seconds", {}))  # press work, a SparseCache only
+    jaccard = out.cache.stats().layer_jaccard if hasattr(out.cache, "stats") else []
     return {
         "prefill_s": stamps[0],
         "steps_ms": steps,

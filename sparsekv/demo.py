@@ -94,7 +94,7 @@ def run_demo(
         out, total, stamps = generate(max_new_tokens)
         new_tokens = out.sequences.shape[1] - n_prompt
         text = " ".join(tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True).split())
-        resident, attended, kv_bytes = cache_footprint(out.past_key_values)
+        resident, attended, kv_bytes = cache_footprint(out.cache)
         rows.append({
             "press": name,
             "answer": text if len(text) <= 30 else text[:27] + "...",

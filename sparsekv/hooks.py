@@ -83,12 +83,14 @@ def _before_model(press, model, module, args, kwargs):
     use_cache = kwargs.get("use_cache")
     if use_cache is False or (use_cache is None and not getattr(model.config, "use_cache", True)):
         return None
-    cache = kwargs.get("past_key_values")
+    # transformers >= 5.24 calls it `cache`; a caller's deprecated `past_key_values` is still renamed by forward.
+    key = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else "cache"
+    cache = kwargs.get(key)
     fresh_default = (
         type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and cache.get_seq_length() == 0
     )
     if cache is None or fresh_default:
-        cache = kwargs["past_key_values"] = SparseCache(press, model.config)
+        cache = kwargs[key] = SparseCache(press, model.config)
     if isinstance(cache, SparseCache):
         inputs = kwargs.get("input_ids", args[0] if args else None)
         if inputs is None:
@@ -101,14 +103,14 @@ def _before_model(press, model, module, args, kwargs):
 
 @torch.no_grad()
 def _after_model(module, args, kwargs, output):
-    cache = getattr(output, "past_key_values", None)
+    cache = getattr(output, "cache", None)
     logits = getattr(output, "logits", None)
     if isinstance(cache, SparseCache) and logits is not None:
         cache.press.on_logits(cache, logits)
 
 
 def _cache_of(kwargs) -> SparseCache | None:
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache")
     return cache if isinstance(cache, SparseCache) else None
 
 

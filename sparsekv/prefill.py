@@ -64,7 +64,7 @@ class Prefill:
             cache = DynamicCache(config=model.config)
             # Positions as `generate` gives them: counted from each row's first real token.
             positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-            out = model(input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+            out = model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                         logits_to_keep=1)
         finally:
             for handle in handles:
@@ -119,12 +119,12 @@ class Prefill:
         config.max_new_tokens = new_tokens - 1
         mask = torch.cat([self.attention_mask, torch.ones_like(first)], dim=1)
         if press is None:
-            out = self.model.generate(ids, attention_mask=mask, past_key_values=copy.deepcopy(self.cache),
+            out = self.model.generate(ids, attention_mask=mask, cache=copy.deepcopy(self.cache),
                                       generation_config=config)
         else:
             cache = self.compress(press)
             with nullcontext() if self.model in _active else press(self.model):
-                out = self.model.generate(ids, attention_mask=mask, past_key_values=cache, generation_config=config)
+                out = self.model.generate(ids, attention_mask=mask, cache=cache, generation_config=config)
         if bool(done.any()):  # rows whose first token ended them: padding after it, as generate pads
             pad = config.pad_token_id if config.pad_token_id is not None else eos[0]
             out[done, ids.shape[1]:] = pad
@@ -139,4 +139,4 @@ def generate_from(model, press, cache, input_ids: torch.Tensor, generation_confi
     so several continuations can start from one compressed context."""
     with nullcontext() if press is None or model in _active else press(model):
         return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                              past_key_values=copy.deepcopy(cache), generation_config=generation_config)
+                              cache=copy.deepcopy(cache), generation_config=generation_config)

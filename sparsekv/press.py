@@ -59,7 +59,7 @@ class Press:
         return install(self, model)
 
     def make_cache(self, model: torch.nn.Module) -> SparseCache:
-        """An empty cache for this press, to pass as `past_key_values` (e.g. to reuse a compressed context)."""
+        """An empty cache for this press, to pass as `cache` (e.g. to reuse a compressed context)."""
         return SparseCache(self, model.config)
 
     # --- extension points -------------------------------------------------------------------------------------

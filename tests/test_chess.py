@@ -24,12 +24,12 @@ def decode(model, ids, steps, mask=None):
     """Prefill `ids` then `steps` greedy steps by hand; yields the cache after each forward."""
     mask = torch.ones_like(ids) if mask is None else mask
     out = model(ids, attention_mask=mask)
-    cache = out.past_key_values
+    cache = out.cache
     yield cache
     for _ in range(steps):
         token = out.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-        out = model(token, past_key_values=cache, attention_mask=mask)
+        out = model(token, cache=cache, attention_mask=mask)
         yield cache
 
 
@@ -179,7 +179,7 @@ def test_reselection_happens_exactly_when_both_thresholds_are_crossed():
     uniform = torch.zeros(1, 1, vocab)  # high entropy, no varentropy
     press = chess(preset="moderate", entropy_threshold=entropy - 0.01, varentropy_threshold=varentropy - 0.01)
     with press(model):
-        cache = model(prompt(60)).past_key_values
+        cache = model(prompt(60)).cache
         assert cache.counts["selections"] == 1  # always after the prompt
         for logits, selects in [(calm, False), (mixed, True), (uniform, False), (calm, False), (mixed, True)]:
             before = cache.counts["selections"]
@@ -187,7 +187,7 @@ def test_reselection_happens_exactly_when_both_thresholds_are_crossed():
             assert cache.counts["selections"] - before == int(selects)
     strict = chess(preset="moderate", entropy_threshold=entropy + 0.01, varentropy_threshold=0.0)
     with strict(model):
-        cache = model(prompt(60)).past_key_values
+        cache = model(prompt(60)).cache
         strict.on_logits(cache, mixed)
         assert cache.counts["selections"] == 1
 

@@ -17,7 +17,7 @@ def compressed(cache):
 
 def prefill(model, press, ids, mask=None):
     with press(model), torch.no_grad():
-        return model(ids, attention_mask=mask).past_key_values
+        return model(ids, attention_mask=mask).cache
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])

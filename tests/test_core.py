@@ -38,15 +38,26 @@ def test_ratio_one_is_identical(any_model, name):
     with PRESSES[name](ratio=1.0)(any_model):
         out = greedy(any_model, ids, new=10, return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference)
-    assert isinstance(out.past_key_values, SparseCache)
+    assert isinstance(out.cache, SparseCache)
 
+
+
+def test_the_deprecated_past_key_values_keyword_still_reaches_the_cache():
+    """transformers renames a caller's `past_key_values=` to `cache` inside forward, after the hooks ran: the
+    hooks must read the name the caller used, or a continued forward would start a new cache."""
+    model = make_model("llama")
+    with StreamingLLMPress(budget=20, n_sinks=4)(model):
+        cache = model(prompt(64)).cache
+        out = model(prompt(2, seed=3), past_key_values=cache)
+    assert out.cache is cache
+    assert all(layer.logical_len == 66 and layer.slots == 20 for layer in compressed_layers(cache))
 
 @pytest.mark.parametrize("name", [n for n in PRESSES if n != "chess"])  # CHESS keeps all: tests/test_chess.py
 def test_physical_budget_held(any_model, name):
     ids, new = prompt(100), 12
     with PRESSES[name](budget=30)(any_model):
         out = greedy(any_model, ids, new=new, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = out.cache
     grows = name in ("snapkv", "chunkkv", "sentencekv")  # H2O and StreamingLLM evict while decoding
     whole = 30 - (30 - 8) % 4 if name == "chunkkv" else 30  # whole chunks only: the remainder stays unused
     whole += 4 + 8 if name == "sentencekv" else 0  # tau counts loaded tokens; 4 sinks + 8 recent besides
@@ -62,18 +73,18 @@ def test_sliding_layers_untouched():
     model = make_model("gemma3")
     with SnapKVPress(budget=16, window_size=8)(model):
         out = greedy(model, prompt(64), new=4, return_dict_in_generate=True)
-    sliding = out.past_key_values.layers[0]
+    sliding = out.cache.layers[0]
     assert isinstance(sliding, DynamicSlidingWindowLayer) and sliding.keys.shape[-2] == 7
-    assert all(layer.keys.shape[-2] == 16 + 3 for layer in out.past_key_values.layers[1:])
+    assert all(layer.keys.shape[-2] == 16 + 3 for layer in out.cache.layers[1:])
 
 
 def test_memory_really_drops():
     model = make_model("llama")
     ids = prompt(200)
-    full = greedy(model, ids, new=2, return_dict_in_generate=True).past_key_values
+    full = greedy(model, ids, new=2, return_dict_in_generate=True).cache
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
     with SnapKVPress(ratio=0.25, window_size=8)(model):
-        cache = greedy(model, ids, new=2, return_dict_in_generate=True).past_key_values
+        cache = greedy(model, ids, new=2, return_dict_in_generate=True).cache
     # 50 kept + 1 generated, in buffers with GROW free slots (appends are written in place)
     assert cache.stats().kv_bytes / full_bytes == pytest.approx((51 + GROW) / 201, abs=1e-6)
     layer = cache.layers[0]
@@ -167,18 +178,18 @@ def test_absolute_positions_kept(arch, impl, new):
     ids, budget, sinks = prompt(64), 20, 4
     follow = prompt(new, seed=9)
     with StreamingLLMPress(budget=budget, n_sinks=sinks)(model):
-        cache = model(ids).past_key_values
+        cache = model(ids).cache
         kept = torch.cat([torch.arange(sinks), torch.arange(64 - (budget - sinks), 64)])
         for layer in compressed_layers(cache):
             assert torch.equal(layer.positions.sort(-1).values, kept.expand(1, 2, budget))
-        compressed = model(follow, past_key_values=cache, attention_mask=torch.ones(1, 64 + new)).logits
-    full = model(ids).past_key_values
+        compressed = model(follow, cache=cache, attention_mask=torch.ones(1, 64 + new)).logits
+    full = model(ids).cache
     mask = torch.zeros(1, 1, new, 64 + new, dtype=torch.bool)
     mask[..., kept] = True
     mask[..., 64:] = torch.ones(new, new, dtype=torch.bool).tril()
     if impl == "eager":
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-    reference = model(follow, past_key_values=full, attention_mask=mask).logits
+    reference = model(follow, cache=full, attention_mask=mask).logits
     torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-4)
 
 
@@ -194,9 +205,9 @@ def test_a_custom_scorer_press_as_in_the_readme():
 
     model = make_model("llama")
     ids = (torch.randperm(250, generator=torch.Generator().manual_seed(0))[:40] + 3)[None]  # distinct: no ties
-    full = model(ids).past_key_values
+    full = model(ids).cache
     with KeyNormPress(budget=10)(model):
-        cache = model(ids).past_key_values
+        cache = model(ids).cache
     for layer, reference in zip(compressed_layers(cache), full.layers):
         smallest = reference.keys.norm(dim=-1).topk(10, dim=-1, largest=False).indices.sort(-1).values
         assert torch.equal(layer.positions.sort(-1).values, smallest)
@@ -207,10 +218,10 @@ def test_never_over_budget_across_long_decode(name):
     model = make_model("qwen2", "sdpa")
     with PRESSES[name](budget=24)(model):
         out = model(prompt(70))
-        cache = out.past_key_values
+        cache = out.cache
         token = out.logits[:, -1:].argmax(-1)
         for step in range(60):
-            out = model(token, past_key_values=cache)
+            out = model(token, cache=cache)
             token = out.logits[:, -1:].argmax(-1)
             assert all(layer.keys.shape[-2] == 24 for layer in compressed_layers(cache)), step
     assert cache.get_seq_length() == 130
@@ -222,10 +233,10 @@ def test_h2o_eager_weights_and_sdpa_recompute_agree():
         model = make_model("llama", impl)
         with H2OPress(budget=20)(model):
             out = model(prompt(60))
-            cache = out.past_key_values
+            cache = out.cache
             token = out.logits[:, -1:].argmax(-1)
             for _ in range(5):
-                out = model(token, past_key_values=cache)
+                out = model(token, cache=cache)
                 token = out.logits[:, -1:].argmax(-1)
         kept[impl] = [layer.positions.sort(-1).values for layer in compressed_layers(cache)]
         scores = [layer.extra["received"] for layer in compressed_layers(cache)]
@@ -243,7 +254,7 @@ def test_snapkv_scores_match_full_attention():
     ids, w, budget = prompt(80), 8, 24
     attn = model(ids, output_attentions=True).attentions
     with SnapKVPress(budget=budget, window_size=w)(model):
-        cache = model(ids).past_key_values
+        cache = model(ids).cache
     for layer_idx, layer in enumerate(compressed_layers(cache)):
         a = attn[layer_idx][0, :, -w:, :].sum(1)  # (heads, L)
         a = a.view(2, 2, 80).mean(1)  # GQA group mean per KV head
@@ -263,7 +274,7 @@ def test_stats_report_logical_resident_attended_and_bytes():
     mask = torch.ones_like(rows)
     mask[0, :20] = 0  # row 0 has 40 real tokens
     with SnapKVPress(ratio=0.5, window_size=8)(model):
-        cache = greedy(model, rows, mask, new=1, return_dict_in_generate=True).past_key_values
+        cache = greedy(model, rows, mask, new=1, return_dict_in_generate=True).cache
     stats = cache.stats()
     assert stats.logical_tokens == 60
     assert stats.resident_tokens == [30] * 3  # the largest row budget; row 0 holds 10 filler slots
@@ -279,7 +290,7 @@ def test_deepcopy_shares_the_press_and_copies_the_state():
     model = make_model("llama")
     press = SnapKVPress(budget=16, window_size=8)
     with press(model), torch.no_grad():
-        cache = model(prompt(40)).past_key_values
+        cache = model(prompt(40)).cache
     clone = copy.deepcopy(cache)
     assert clone.press is press
     assert clone.layers[0].keys is not cache.layers[0].keys
@@ -290,7 +301,7 @@ def test_prompt_kept_marks_what_attention_reads():
     model = make_model("llama", "sdpa")
     with StreamingLLMPress(budget=12, n_sinks=4)(model):
         out = greedy(model, prompt(40), new=1, return_dict_in_generate=True)
-    kept = out.past_key_values.prompt_kept()
+    kept = out.cache.prompt_kept()
     expected = torch.zeros(40, dtype=torch.bool)
     expected[:4] = expected[-8:] = True  # the sinks and the most recent tokens
     assert sorted(kept) == [0, 1, 2]
@@ -318,11 +329,11 @@ def test_decoding_queries_are_the_layers_own_projection_not_a_second_one(arch):
     handles = [query_projection(m).register_forward_hook(lambda *a: projections.append(1)) for m in targets]
     press = QueryReader(ratio=0.5, window_size=8)
     with press(model):
-        cache = model(prompt(40)).past_key_values
+        cache = model(prompt(40)).cache
         layers = len(compressed_layers(cache))
         seen.clear(), projections.clear()
         for step in range(3):
-            model(prompt(1, seed=step), past_key_values=cache)
+            model(prompt(1, seed=step), cache=cache)
     assert len(projections) == 3 * len(targets)  # gemma3's sliding layers project too, once
     for handle in handles:
         handle.remove()

@@ -34,7 +34,7 @@ def test_text_generation_pipeline_runs_compressed(model, tokenizer):
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
     press = StreamingLLMPress(budget=16)
     caches = []
-    hook = model.register_forward_hook(lambda m, args, kwargs, out: caches.append(out.past_key_values),
+    hook = model.register_forward_hook(lambda m, args, kwargs, out: caches.append(out.cache),
                                        with_kwargs=True)
     try:
         with press(model):

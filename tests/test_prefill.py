@@ -47,7 +47,7 @@ def test_replayed_cache_equals_generates_cache():
     ids = prompt(70)
     press = SnapKVPress(ratio=0.25, window_size=8)
     with press(model):
-        direct = model(ids).past_key_values
+        direct = model(ids).cache
     replayed = Prefill.run(model, ids).compress(press)
     assert replayed.stats().resident_tokens == direct.stats().resident_tokens
     for a, b in zip(direct.layers, replayed.layers):

@@ -44,10 +44,10 @@ def test_budget_and_memory_held_at_every_step(impl):
     p = press(budget=tau, keep_factor=r)
     with p(model), torch.no_grad():
         out = model(sentence_prompt(n))
-        cache = out.past_key_values
+        cache = out.cache
         token = out.logits[:, -1:].argmax(-1)
         for step in range(1, 16):
-            out = model(token, past_key_values=cache)
+            out = model(token, cache=cache)
             token = out.logits[:, -1:].argmax(-1)
             for layer in compressed(cache):
                 assert layer.keys.shape[-2] == tau + 12 + step  # tau loaded + 4 sinks + 8 recent + generated
@@ -189,7 +189,7 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
     assert last > 0  # a strict suffix of the prompt
     for p in (press(budget=30), press(budget=30, prompt_sentence=False)):
         with attention_inputs(model) as inputs, p(model), torch.no_grad():
-            cache = model(batch, attention_mask=mask).past_key_values
+            cache = model(batch, attention_mask=mask).cache
         for i, layer in enumerate(cache.layers):
             kw = inputs[i]
             cos, sin = kw["position_embeddings"]
@@ -208,7 +208,7 @@ def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     with press(budget=30)(model), torch.no_grad():
-        cache = model(ids, attention_mask=mask).past_key_values
+        cache = model(ids, attention_mask=mask).cache
     for layer in compressed(cache):
         for row in range(2):
             fill = int(layer.fill[row])
@@ -233,7 +233,7 @@ def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(cent
     ids, mask = batch.input_ids, batch.attention_mask
     assert not mask[1, 0]  # the second row is left-padded
     with attention_inputs(model) as inputs, press(budget=30, centre=centre)(model), torch.no_grad():
-        cache = model(ids, attention_mask=mask).past_key_values
+        cache = model(ids, attention_mask=mask).cache
     for i, layer in enumerate(cache.layers):
         attn, kw = model.model.layers[i].self_attn, inputs[i]
         b, n = ids.shape
