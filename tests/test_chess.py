@@ -221,7 +221,9 @@ def test_calibrate_sets_the_percentiles():
     texts = ["The committee reviewed every proposal. " * 6, "Dr. Smith paid $3.50 for it. " * 5]
     press = chess(preset="aggressive")
     assert press.calibrate(model, tok, texts, percentile=90) is press
-    entropy, varentropy = zip(*(uncertainty(model(tok(t, return_tensors="pt").input_ids).logits[0]) for t in texts))
+    with torch.no_grad():
+        entropy, varentropy = zip(*(uncertainty(model(tok(t, return_tensors="pt").input_ids).logits[0])
+                                    for t in texts))
     assert press.entropy_threshold == pytest.approx(float(torch.cat(entropy).quantile(0.9)), rel=1e-5)
     assert press.varentropy_threshold == pytest.approx(float(torch.cat(varentropy).quantile(0.9)), rel=1e-5)
     with pytest.raises(ValueError, match="percentile"):

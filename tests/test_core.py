@@ -42,6 +42,7 @@ def test_ratio_one_is_identical(any_model, name):
 
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_the_deprecated_past_key_values_keyword_still_reaches_the_cache():
     """transformers renames a caller's `past_key_values=` to `cache` inside forward, after the hooks ran: the
     hooks must read the name the caller used, or a continued forward would start a new cache."""
