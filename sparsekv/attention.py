@@ -23,27 +23,33 @@ def query_projection(module) -> torch.nn.Module | None:
     return getattr(module, "q_proj", None) or getattr(module, "qkv_proj", None)
 
 
-def project_queries(module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+def project_queries(module, hidden_states: torch.Tensor, position_embeddings, grouped: bool = False) -> torch.Tensor:
     """Queries `(batch, heads, tokens, head_dim)` of `hidden_states`, normed and rotated as the module does.
 
-    `position_embeddings` are the `(cos, sin)` of exactly these tokens.
+    `position_embeddings` are the `(cos, sin)` of exactly these tokens; `grouped` as in `shape_queries`.
     """
     projection = query_projection(module)
     if projection is None:
         raise NotImplementedError(f"{type(module).__name__} has neither q_proj nor qkv_proj")
-    return shape_queries(module, projection(hidden_states), position_embeddings)
+    return shape_queries(module, projection(hidden_states), position_embeddings, grouped)
 
 
-def shape_queries(module, projected: torch.Tensor, position_embeddings) -> torch.Tensor:
+def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped: bool = False) -> torch.Tensor:
     """The query projection's output `(batch, tokens, width)` as the module's queries: split into heads,
-    normed (`q_norm`, when the module has one) and rotated with the `(cos, sin)` of these tokens."""
+    normed (`q_norm`, when the module has one) and rotated with the `(cos, sin)` of these tokens.
+
+    `grouped`: summed over the query heads of each KV head's GQA group, `(batch, kv_heads, tokens, head_dim)`.
+    RoPE turns every head of a token alike, so a group is summed before it is rotated (one rotation per group).
+    """
     b, n, _ = projected.shape
     d = module.head_dim
     q = projected[..., : module.config.num_attention_heads * d]  # a fused qkv output keeps its queries only
-    q = q.reshape(b, n, -1, d).transpose(1, 2)
+    q = q.reshape(b, n, -1, d)
     if hasattr(module, "q_norm"):
         q = module.q_norm(q)
-    return rotate(q, position_embeddings)
+    if grouped:
+        q = q.reshape(b, n, module.config.num_key_value_heads, -1, d).sum(3)
+    return rotate(q.transpose(1, 2), position_embeddings)
 
 
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:
@@ -101,13 +107,14 @@ class AttentionCall:
     def q_len(self) -> int:
         return self.hidden_states.shape[1]
 
-    def queries(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Rotated queries of input tokens `start:end`, `(batch, heads, tokens, head_dim)`."""
+    def queries(self, start: int = 0, end: int | None = None, grouped: bool = False) -> torch.Tensor:
+        """Rotated queries of input tokens `start:end`, `(batch, heads, tokens, head_dim)`; `grouped`: summed
+        over each KV head's query heads, `(batch, kv_heads, tokens, head_dim)`."""
         cos, sin = self.position_embeddings
         sl = slice(start, end)
         if self.projected is not None:
-            return shape_queries(self.module, self.projected[:, sl], (cos[:, sl], sin[:, sl]))
-        return project_queries(self.module, self.hidden_states[:, sl], (cos[:, sl], sin[:, sl]))
+            return shape_queries(self.module, self.projected[:, sl], (cos[:, sl], sin[:, sl]), grouped)
+        return project_queries(self.module, self.hidden_states[:, sl], (cos[:, sl], sin[:, sl]), grouped)
 
     def valid(self) -> torch.Tensor:
         """`(batch, q)` validity of the input tokens."""

@@ -342,4 +342,10 @@ def test_decoding_queries_are_the_layers_own_projection_not_a_second_one(arch):
     for _, queries, call, _ in seen:
         recomputed = project_queries(call.module, call.hidden_states, call.position_embeddings)
         torch.testing.assert_close(queries, recomputed)
+        # Grouped: each KV head's query heads summed (before RoPE, which turns them alike), as after it.
+        b, h_q, n, d = queries.shape
+        kv_heads = call.module.config.num_key_value_heads
+        assert kv_heads < h_q  # the tiny models have GQA groups
+        by_group = queries.view(b, kv_heads, h_q // kv_heads, n, d).sum(2)
+        torch.testing.assert_close(call.queries(grouped=True), by_group)
     assert sorted({n for *_, n in seen}) == [40, 41, 42]  # before attention: the step's token not yet cached

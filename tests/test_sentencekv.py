@@ -12,7 +12,7 @@ from conftest import greedy, make_model, make_tokenizer, prompt
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.attention import project_queries, rotate
 from sparsekv.cache import GROW
-from sparsekv.presses.sentencekv import rank_in_sentence
+from sparsekv.presses.sentencekv import loading_room, rank_in_sentence
 from sparsekv.segment import sentence_ids
 
 
@@ -72,7 +72,7 @@ def test_budget_and_memory_held_at_every_step(impl):
 def fake_call(queries):
     """What `on_queries` reads from an attention call: this step's queries and their validity."""
     valid = torch.ones(queries.shape[0], queries.shape[2], dtype=torch.bool)
-    return SimpleNamespace(queries=lambda: queries, input_valid=None, valid=lambda: valid)
+    return SimpleNamespace(queries=lambda grouped=False: queries, input_valid=None, valid=lambda: valid)
 
 
 def fake_cache():
@@ -95,7 +95,8 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     layer.store_keys, layer.store_values = keys, -keys
     layer.store_positions = torch.arange(100, 100 + store)[None]
     layer.slot_sentence = torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]])
-    layer.slot_rank, layer.sentence_sizes = rank_in_sentence(layer.slot_sentence, 2), torch.tensor([[[4, 4]]])
+    layer.sentence_sizes = torch.tensor([[[4, 4]]])
+    layer.slot_room = loading_room(layer.slot_sentence, layer.sentence_sizes, layer.fill)
     layer.sentence_keys = torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None]
     layer.query_sum = torch.zeros(1, 1, d)
     layer.device_slot = torch.zeros(1, 1, store, dtype=torch.long)
@@ -195,7 +196,8 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
             cos, sin = kw["position_embeddings"]
             queries = project_queries(model.model.layers[i].self_attn, kw["hidden_states"][:1, last:],
                                       (cos[:1, last:], sin[:1, last:]))
-            expected = queries.sum(dim=2) if p.prompt_sentence else torch.zeros_like(layer.query_sum[:1])
+            per_kv_head = queries.sum(dim=2).view(1, layer.keys.shape[1], -1, queries.shape[-1]).sum(dim=2)
+            expected = per_kv_head if p.prompt_sentence else torch.zeros_like(layer.query_sum[:1])
             torch.testing.assert_close(layer.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
             assert not layer.query_sum[1].any()
 
@@ -256,6 +258,37 @@ def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(cent
 def test_sentence_ranks():
     sentence = torch.tensor([[0, 0, 2, 2, 2, 1, 3, 3]])  # ids need not follow positions (split sentences)
     assert rank_in_sentence(sentence, 4).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chosen_slots_are_the_best_sentences_first_tokens_up_to_fill(seed):
+    """Per row and KV head: sentences by similarity, best first, each giving its stored tokens in position order
+    until the row's `fill` loaded slots are taken (the last sentence cut); empty store slots never."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, n_sentences, d = 2, 3, 7, 4
+    sizes = torch.randint(0, 5, (b, 1, n_sentences), generator=gen)
+    sizes[..., -1] = 0  # the sentence of empty store slots
+    slots = int(sizes.sum(-1).max()) + 3
+    slot_sentence = torch.full((b, 1, slots), n_sentences - 1)
+    for row in range(b):
+        stored = torch.repeat_interleave(torch.arange(n_sentences), sizes[row, 0])
+        slot_sentence[row, 0, : len(stored)] = stored
+    fill = torch.randint(1, int(sizes.sum(-1).min()) + 1, (b, 1, 1), generator=gen)
+    layer = SimpleNamespace(sentence_sizes=sizes, slot_sentence=slot_sentence.expand(b, h, slots),
+                            sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen),
+                            query_sum=torch.randn(b, h, d, generator=gen))
+    layer.slot_room = loading_room(slot_sentence, sizes, fill)
+    chosen = SentencePress._chosen(layer)
+    similarity = torch.einsum("bhd,bhsd->bhs", layer.query_sum, layer.sentence_keys)
+    for row in range(b):
+        for head in range(h):
+            expected, left = torch.zeros(slots, dtype=torch.bool), int(fill[row])
+            for s in similarity[row, head].argsort(descending=True, stable=True).tolist():
+                for slot in (slot_sentence[row, 0] == s).nonzero()[:, 0].tolist():
+                    if left and s != n_sentences - 1:
+                        expected[slot], left = True, left - 1
+            assert torch.equal(chosen[row, head], expected), (row, head)
+            assert int(chosen[row, head].sum()) == int(fill[row])
 
 
 def test_ratio_one_is_identical():

@@ -38,12 +38,12 @@ class SentenceLayer(KVLayer):
         self.store_keys = self.store_values = None
         self.store_positions: torch.Tensor | None = None  # (batch, R)
         self.sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
-        self.query_sum: torch.Tensor | None = None  # (batch, heads, head_dim): the sentence being generated
+        self.query_sum: torch.Tensor | None = None  # (batch, kv_heads, head_dim): the sentence being generated
         self.resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
         self.device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
         self.fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
         self.slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
-        self.slot_rank: torch.Tensor | None = None  # (batch, 1, R) index of each store slot within its sentence
+        self.slot_room: torch.Tensor | None = None  # (batch, 1, R) see `loading_room`
         self.sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
 
     def offloaded_tensors(self) -> list[torch.Tensor]:
@@ -184,12 +184,11 @@ class SentencePress(SnapKVPress):
         keep = resident.nonzero()[:, 1].view(b, -1)  # every row has exactly n_sinks + window_size resident
         slots = torch.cat([keep.new_zeros(b, layer.loaded), keep], dim=1)[:, None].expand(b, h, -1)
         layer.select(slots, torch.cat([real, valid.gather(1, keep)], dim=1))
-        layer.query_sum = torch.zeros(b, call.module.config.num_attention_heads, layer.keys.shape[-1],
-                                      device=device, dtype=torch.float32)
+        layer.query_sum = torch.zeros(b, h, layer.keys.shape[-1], device=device, dtype=torch.float32)
         if self.prompt_sentence:
             self._seed_queries(cache, layer, call)
         layer.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
-        layer.slot_rank = rank_in_sentence(layer.slot_sentence[:, :1], layer.sentence_keys.shape[2])
+        layer.slot_room = loading_room(layer.slot_sentence[:, :1], layer.sentence_sizes, layer.fill)
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
         self._load(layer, self._chosen(layer))
 
@@ -213,13 +212,20 @@ class SentencePress(SnapKVPress):
     def _fill_store(layer, store, in_store, sentences, shared):
         """The prefiltered tokens' KV to the offload store; per sentence, the mean of their keys minus `shared`.
 
-        Empty store slots go to one more, empty, sentence (mean key 0, no tokens): it never takes budget.
+        Only sentences that kept a token are ranked, renumbered in order: the others could take no budget, and
+        on long prompts they are most of them (4 in 5 at 8k tokens, r = 2), so each step's sort and similarity
+        shrink as much. Empty store slots go to one more, empty, sentence (mean key 0, no tokens), as do the
+        ids a row with fewer kept sentences does not use.
         """
         b, h, _, d = layer.keys.shape
         gather = store[:, None, :, None].expand(b, h, -1, d)
         keys, values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-        n_sentences = int(sentences.max()) + 2  # the prompt's, and the empty one
-        bucket = sentences.gather(1, store).masked_fill(~in_store, n_sentences - 1)
+        bucket = sentences.gather(1, store)
+        prompt_sentences = int(sentences.max()) + 1
+        present = torch.zeros(b, prompt_sentences + 1, dtype=torch.bool, device=store.device)
+        present = present.scatter_(1, bucket.where(in_store, prompt_sentences), True)[:, :prompt_sentences]
+        n_sentences = int(present.sum(1).max()) + 1  # the kept ones, and the empty one
+        bucket = (present.cumsum(1) - 1).gather(1, bucket).masked_fill(~in_store, n_sentences - 1)
         slot = bucket[:, None, :, None].expand(b, h, -1, d)
         weight = in_store.float()[:, None, :, None]
         sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, (keys.float() - shared) * weight)
@@ -245,17 +251,17 @@ class SentencePress(SnapKVPress):
         if not bool(last.any()):
             return
         start = int(last.long().argmax(dim=1).where(last.any(dim=1), last.shape[1]).min())
-        layer.query_sum += (call.queries(start).float() * last[:, None, start:, None]).sum(dim=2)
+        layer.query_sum += (call.queries(start, grouped=True).float() * last[:, None, start:, None]).sum(dim=2)
 
     # --- decoding --------------------------------------------------------------------------------------------
     def on_queries(self, cache, layer, call):
         if layer.store_keys is None:
             return
         start = time.perf_counter()
-        queries = call.queries().float()  # (b, heads, q, d), the step's own projection
+        queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if call.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
-        layer.query_sum += queries.sum(dim=2)
+        layer.query_sum += queries[:, :, 0] if queries.shape[2] == 1 else queries.sum(dim=2)  # one token: a view
         chosen = self._chosen(layer)
         cache.seconds["select"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -269,22 +275,18 @@ class SentencePress(SnapKVPress):
     def similarity(layer) -> torch.Tensor:
         """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector."""
         # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
-        b, h = layer.keys.shape[:2]
-        query = layer.query_sum.view(b, h, -1, layer.query_sum.shape[-1]).sum(dim=2, keepdim=True)
-        return (query @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]
+        return (layer.query_sum[:, :, None] @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]
 
     @classmethod
     def _chosen(cls, layer) -> torch.Tensor:
         """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head."""
         similarity = cls.similarity(layer)
-        b, h = similarity.shape[:2]
         # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
-        # sentences, then a per-slot test, never a sort over the stored tokens.
+        # sentences, then a per-slot test against a bound fixed at prefill, never a sort over stored tokens.
         ranked = similarity.argsort(dim=-1, descending=True, stable=True)
-        sizes = layer.sentence_sizes.expand(b, h, -1).gather(-1, ranked)
-        taken = (layer.fill - (sizes.cumsum(-1) - sizes)).clamp(min=0).minimum(sizes)
-        taken = torch.zeros_like(taken).scatter_(-1, ranked, taken)
-        return layer.slot_rank < taken.gather(-1, layer.slot_sentence)
+        through = layer.sentence_sizes.expand_as(ranked).gather(-1, ranked).cumsum(-1)
+        through = torch.empty_like(through).scatter_(-1, ranked, through)  # back in sentence order
+        return through.gather(-1, layer.slot_sentence) < layer.slot_room
 
     @staticmethod
     def _load(layer, chosen) -> int:
@@ -317,6 +319,19 @@ class SentencePress(SnapKVPress):
         closing = cache.state.closing
         if layer.query_sum is not None and closing is not None:
             layer.query_sum[closing.to(layer.query_sum.device)] = 0.0  # a new sentence starts
+
+
+def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """Per store slot `(b, 1, R)`, the bound under which the stored tokens of the sentences ranked up to its own
+    (its own included: `through`) must stay for the slot to be loaded: `fill + size - rank`, i.e. the tokens
+    ranked before the slot, `through - size + rank`, are fewer than `fill`. 0 for empty slots: never loaded.
+
+    `slot_sentence` `(b, 1, R)` is sorted by position within each sentence; `sizes` `(b, 1, S)` counts each
+    sentence's stored tokens; `fill` `(b, 1, 1)` the loaded slots of each row.
+    """
+    rank = rank_in_sentence(slot_sentence, sizes.shape[-1])
+    size = sizes.gather(-1, slot_sentence)
+    return torch.where(rank < size, fill + size - rank, 0)
 
 
 def rank_in_sentence(sentence: torch.Tensor, n_sentences: int) -> torch.Tensor:
