@@ -39,7 +39,7 @@ def number_coverage(model, tokenizer, ids: torch.Tensor, number: range, press: S
         if getattr(layer, "store_positions", None) is None:
             continue
         stored = torch.isin(wanted, layer.store_positions[0].cpu()).sum()
-        loaded = [int(torch.isin(wanted, heads[: layer.loaded].cpu()).sum()) for heads in layer.positions[0]]
+        loaded = [int(torch.isin(wanted, heads[: layer.state.loaded].cpu()).sum()) for heads in layer.positions[0]]
         rows.append({"layer": i, "stored": f"{int(stored)}/{len(number)}",
                      "loaded per head": " ".join(map(str, loaded)),
                      "sentence rank per head": " ".join(map(str, sentence_ranks(layer, wanted)))})
@@ -52,9 +52,9 @@ def sentence_ranks(layer, wanted: torch.Tensor) -> list[str]:
     hit = torch.isin(layer.store_positions[0].cpu(), wanted).nonzero()
     if len(hit) == 0:
         return ["-"] * layer.keys.shape[1]
-    needle = int(layer.slot_sentence[0, 0, hit[0, 0]])
+    needle = int(layer.state.slot_sentence[0, 0, hit[0, 0]])
     scores = SentencePress.similarity(layer)[0]  # (h, S), as the press ranks them
-    scores = scores.masked_fill(layer.sentence_sizes[0] == 0, float("-inf"))  # empty sentences take no budget
+    scores = scores.masked_fill(layer.state.sentence_sizes[0] == 0, float("-inf"))  # empty sentences take no budget
     return [str(int((row > row[needle]).sum())) for row in scores]
 
 

@@ -5,8 +5,9 @@
         model.generate(...)
 """
 
-from .cache import CacheStats, KVLayer, SparseCache
+from .cache import CacheStats, Forward, KVLayer, SparseCache, StoreLayer
 from .press import Press, ScorerPress
+from .state import RowState
 from .presses import (
     CHESSPress,
     ChunkKVPress,
@@ -27,14 +28,17 @@ __all__ = [
     "CacheStats",
     "ChunkKVPress",
     "ChunkPress",
+    "Forward",
     "H2OPress",
     "KVLayer",
     "Press",
+    "RowState",
     "ScorerPress",
     "SentenceKVPress",
     "SentencePress",
     "SnapKVPress",
     "SparseCache",
     "SparseKVPipeline",
+    "StoreLayer",
     "StreamingLLMPress",
 ]

@@ -94,6 +94,8 @@ class AttentionCall:
         input_valid: `(batch, q)` which input tokens are real, or None when all are.
         projected: the query projection's output for this input, when the hooks captured it (decoding steps of
             presses that read queries then); `queries()` then shapes it instead of recomputing it.
+        capture: whether this call captures its projection (set by the cache: after the prompt, for presses
+            that read step queries).
     """
 
     module: torch.nn.Module
@@ -102,6 +104,7 @@ class AttentionCall:
     weights: torch.Tensor | None
     input_valid: torch.Tensor | None
     projected: torch.Tensor | None = None
+    capture: bool = False
 
     @property
     def q_len(self) -> int:

@@ -1,241 +1,67 @@
-"""The sparsekv cache: transformers' `Cache` holding compressed layers.
+"""The sparsekv cache, and the one driver of what a press does during a forward.
 
-A `KVLayer` stores, per KV head, the slots it keeps (any subset of the tokens seen, in any order), with each
-slot's absolute position and whether it is a real token. It reports the *logical* length (every token seen) to
-transformers, so new tokens keep their absolute RoPE positions, and its *physical* size for masks.
+`SparseCache` is a transformers `Cache` whose full-attention layers are a press's `KVLayer`s (other layer types,
+e.g. Gemma3's sliding ones, keep transformers' own). Everything one generation needs lives in it: the layers,
+per-row prompt lengths and budgets, the press's state (`state`) and, while a forward runs, that forward's
+`Forward`. So one press object serves any number of generations, concurrent ones included.
+
+The order of events of one model forward, in one place (the hooks call these methods, `Prefill` calls the same):
+
+1. `begin_forward`: a new `Forward` (its token ids, which tokens are real); at the first forward, each row's
+   prompt length and start; the press's `begin_forward` (e.g. SentenceKV segments the prompt, CHESS hands its
+   new working context to every layer as the forward's `plan`).
+2. For each compressed layer, `before_layer`, before its attention: the press's `before_attention` (CHESS
+   gathers the planned working set), then the mask for the layer's physical layout.
+3. `after_queries`, once the layer projected its queries (forwards after the prompt, presses that read them):
+   the press's `on_queries` (SentenceKV loads sentences); the layout the mask was built for may not change.
+4. transformers calls `update` (new tokens appended), and attention runs.
+5. `after_layer`, after its attention: the press's `compress` (the prompt) or `after_step` (later forwards).
+6. `end_forward`, after the model, with its logits: the press's `end_forward` (CHESS's uncertainty trigger);
+   the `Forward` is closed.
+
+Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batch_repeat_interleave`), `crop`,
+`reset` and `deepcopy` are written once here over `RowState`s (`sparsekv.state`), for every press.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+from .attention import AttentionCall
+from .layers import GROW, KVLayer, StoreLayer, allocated, append_in_place, buffer_of  # noqa: F401 (re-exported)
+from .state import RowState, row_index
 
 # Layer types sparsekv compresses; the others (e.g. Gemma3's sliding layers) keep transformers' own layer.
 COMPRESSED_LAYER_TYPES = ("full_attention",)
-# Free slots added when a layer's buffers are full: decoding copies its KV once every GROW steps (a page of CHESS).
-GROW = 32
+# `before_layer`'s answer when the layer keeps transformers' mask (its layout is the logical one).
+KEEP_MASK = object()
 
 
-class KVLayer(CacheLayerMixin):
-    """One attention layer's resident KV.
+@dataclass
+class Forward:
+    """What the layers of one model forward share, from `begin_forward` to `end_forward`.
 
     Attributes:
-        keys, values: `(batch, kv_heads, slots, head_dim)`, already rotated (RoPE applied at their positions).
-        positions: `(batch, kv_heads, slots)` absolute index of each slot in the (left-padded) input sequence.
-        valid: `(batch, slots)` False for slots that hold no real token (padding); never attended. Validity is
-            shared by the heads of a row: every head of a row keeps the same number of real tokens.
-        extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
-            `keep` / `evict` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
-        logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
-        compressed: True once the physical layout differs from the logical one.
-
-    The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
-    them with new tensors (`select`) or write into them in place, never keep views of them across steps.
+        input_ids: the forward's token ids `(batch, q)`, None when the model gets embeddings.
+        input_valid: `(batch, q)` which input tokens are real; None when all are (the common, fast case).
+        q_len: tokens in this forward.
+        calls: per layer index, the attention call under way (from `before_layer` to `after_layer`).
+        plan: a press's plan for every layer of this forward, made once in its `begin_forward` (e.g. CHESS's
+            working-context slots, SentenceKV's sentence-closing flags); None when it has none.
     """
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self):
-        super().__init__()
-        self.positions: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None
-        self.extra: dict[str, torch.Tensor] = {}
-        self.logical_len = 0
-        self.compressed = False
-        self.all_valid = True  # no filler or padding slot: decoding needs no mask
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Empty tensors of the first forward's dtype, device, batch and heads."""
-        self.dtype, self.device = key_states.dtype, key_states.device
-        b, h, _, d = key_states.shape
-        self.keys = key_states.new_empty(b, h, 0, d)
-        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
-        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
-        self.valid = torch.empty(b, 0, dtype=torch.bool, device=self.device)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, valid: torch.Tensor | None = None, **kwargs):
-        """Append new tokens (all real unless `valid` `(batch, new)` says otherwise); return what is attended."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        b, h, q, _ = key_states.shape
-        new_pos = torch.arange(self.logical_len, self.logical_len + q, device=self.device)
-        if valid is None:
-            valid = torch.ones(b, q, dtype=torch.bool, device=self.device)
-        else:
-            valid = valid.to(self.device, torch.bool)
-            self.all_valid = self.all_valid and bool(valid.all())
-        self._append("keys", key_states)
-        self._append("values", value_states)
-        self._append("positions", new_pos.expand(b, h, q))
-        self._append("valid", valid)
-        for name in self.extra:
-            self._append(name, self.extra[name].new_zeros(b, h, q), self.extra)
-        self.logical_len += q
-        return self.keys, self.values
-
-    def _append(self, name: str, new: torch.Tensor, where: dict | None = None) -> None:
-        """Append `new` along the slot dimension of the tensor `name` (an attribute, or a key of `where`).
-
-        New slots are written in place into the free room behind the tensor when it has some; else (prompt, or
-        after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
-        layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does).
-        """
-        current = where[name] if where is not None else getattr(self, name)
-        dim = slot_dim(current)
-        if new.requires_grad or current.requires_grad:  # a differentiable forward: no in-place writes
-            grown = torch.cat([current, new], dim=dim)
-        else:
-            with torch.no_grad():  # the buffer may be a view made by press work (under no_grad)
-                grown = append_in_place(current, new, dim)
-        if where is not None:
-            where[name] = grown
-        else:
-            setattr(self, name, grown)
-
-    # --- selection plumbing, used by presses -------------------------------------------------------------------
-    def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
-        """Keep, per row and KV head, the `budgets[row]` slots with the highest `scores` `(batch, heads, slots)`.
-
-        Slots scored `-inf` (padding) are never kept as real tokens. Rows with smaller budgets than the largest
-        get invalid filler slots, ordered first, so that validity stays shared by the heads of a row.
-        """
-        budgets = budgets.to(scores.device)
-        n_keep = int(budgets.max())
-        # A stable sort breaks ties (max-pooling makes plateaus) by position, the same with or without padding.
-        top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_keep]
-        real = (torch.arange(n_keep, device=scores.device) < budgets[:, None])[:, None, :]
-        # Fillers first, then kept tokens by position: every head of a row gets the same validity layout.
-        pos = self.positions.gather(-1, top)
-        order = torch.where(real, pos, pos - self.logical_len - 1).argsort(dim=-1)
-        valid = torch.arange(n_keep, device=scores.device) >= (n_keep - budgets)[:, None]
-        self.select(top.gather(-1, order), valid)
-
-    def select(self, idx: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep the slots `idx` `(batch, heads, k)`; `valid` `(batch, k)` marks which of them are real tokens."""
-        gather = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
-        self.keys, self.values = gather(self.keys), gather(self.values)
-        self.positions = self.positions.gather(-1, idx)
-        self.extra = {name: t.gather(-1, idx) for name, t in self.extra.items()}
-        self.valid = valid
-        self.all_valid = bool(valid.all())
-        self.compressed = True
-
-    def evict(self, victim: torch.Tensor) -> None:
-        """Drop one slot per row and head (`victim` `(batch, heads)`): the last slot moves into its place.
-
-        Victims must be real tokens and the last slot a real (newly generated) token, so validity is unchanged.
-        """
-        last = self.keys.shape[-2] - 1
-        v = victim[..., None]
-        for name in ("keys", "values"):
-            t = getattr(self, name)
-            t.scatter_(2, v[..., None].expand(*v.shape, t.shape[-1]), t[:, :, last:])
-            setattr(self, name, t[:, :, :last])
-        self.positions = self.positions.scatter_(-1, v, self.positions[..., last:])[..., :last]
-        self.extra = {n: t.scatter_(-1, v, t[..., last:])[..., :last] for n, t in self.extra.items()}
-        self.valid = self.valid[:, :last]
-        self.compressed = True
-
-    # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
-    def get_seq_length(self) -> int:
-        """Tokens seen (not held): new tokens get their absolute positions from it."""
-        return self.logical_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """`(kv_length, kv_offset)` of the mask: the physical slots held, then the new tokens."""
-        return self.slots + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    @property
-    def slots(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            for name in ("keys", "values", "positions", "valid"):
-                setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.device)))
-            self.extra = {n: t.index_select(0, beam_idx.to(self.device)) for n, t in self.extra.items()}
-
-    def reset(self) -> None:
-        self.__init__()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("A compressed sparsekv cache cannot be cropped: evicted tokens are gone.")
-
-    def resident_slots(self) -> int:
-        """KV slots this layer holds on its device per sequence."""
-        return self.keys.shape[-2]
-
-    def kv_tensors(self) -> list[torch.Tensor]:
-        """The keys and values this layer holds on its device (with their free room)."""
-        return [allocated(self.keys), allocated(self.values)]
-
-    def offloaded_tensors(self) -> list[torch.Tensor]:
-        """KV this layer keeps in an offload store, off the attention's device (none here)."""
-        return []
-
-    def held_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer holds, for memory accounting."""
-        if not self.is_initialized:
-            return []
-        return [allocated(t) for t in (self.keys, self.values, self.positions, self.valid, *self.extra.values())]
-
-
-def slot_dim(t: torch.Tensor) -> int:
-    """The slot dimension of a layer's tensor: (batch, heads, slots[, head_dim]), or (batch, slots) for `valid`."""
-    return min(t.dim() - 1, 2)
-
-
-def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:
-    """The contiguous buffer of which `t` is the first slots, when it has room for `slots`; else None.
-
-    The room is read from `t`'s own strides and storage (a view `buffer[:, :, :n]` keeps the buffer's strides), so
-    no reference to a buffer is held apart from its tensor: a replaced tensor frees its buffer.
-    """
-    dim = slot_dim(t)
-    if t.storage_offset() != 0 or t.stride(dim) == 0:
-        return None
-    shape = list(t.shape)
-    shape[dim] = t.stride(dim - 1) // t.stride(dim)
-    if shape[dim] < slots:
-        return None
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.insert(0, step)
-        step *= size
-    if list(t.stride()) != strides or t.untyped_storage().nbytes() < step * t.element_size():
-        return None
-    return t.as_strided(shape, strides)
-
-
-def append_in_place(current: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
-    """`current` and `new` joined along `dim`: written into the room behind `current`, or into a new buffer with
-    `GROW` free slots when it has none."""
-    n, q = current.shape[dim], new.shape[dim]
-    room = buffer_of(current, n + q)
-    if room is None:
-        shape = list(current.shape)
-        shape[dim] = n + q + GROW
-        room = current.new_empty(shape)
-        room.narrow(dim, 0, n).copy_(current)
-    room.narrow(dim, n, q).copy_(new)
-    return room.narrow(dim, 0, n + q)
-
-
-def allocated(t: torch.Tensor) -> torch.Tensor:
-    """`t` with the free room behind it (what it holds in memory)."""
-    room = buffer_of(t, 0)
-    return t if room is None else room
-
+    input_ids: torch.Tensor | None
+    input_valid: torch.Tensor | None
+    q_len: int
+    calls: dict[int, AttentionCall] = field(default_factory=dict)
+    plan: Any = None
 
 @dataclass
 class CacheStats:
@@ -271,13 +97,21 @@ class CacheStats:
         return mean / max(self.logical_tokens, 1)
 
 
-class SparseCache(Cache):
-    """A transformers `Cache` whose full-attention layers are the press's `KVLayer`s.
 
-    Per-generation state lives here, never on the press: prompt lengths and per-row budgets (set at prefill),
-    the validity of the tokens of the current forward, time spent in press work, and `state`, a slot for a
-    press's own cross-layer state.
+class SparseCache(RowState, Cache):
+    """A transformers `Cache` whose full-attention layers are the press's `KVLayer`s; the driver of a forward.
+
+    Attributes:
+        press: the press (configuration only, shared by copies).
+        prompt_lengths: `(batch,)` real prompt tokens, on the CPU; `prompt_start`: `(batch,)` each row's first
+            real token. Set at the first forward.
+        budgets: `(batch,)` tokens kept per row, set by the press at prefill (`Press.row_budgets`).
+        state: the press's per-generation state (`Press.new_state`), a `RowState` or None.
+        forward: the `Forward` under way, None between forwards.
+        seconds, counts: time spent in press work and press events, by kind (for `stats`).
     """
+
+    shared_state = frozenset({"layers", "press", "config", "forward", "shared", "seconds", "counts"})
 
     def __init__(self, press, config):
         text_config = config.get_text_config(decoder=True)
@@ -287,13 +121,13 @@ class SparseCache(Cache):
             for i, (t, kw) in enumerate(zip(types, kwargs))
         ]
         super().__init__(layers=layers)
-        self.press = press
-        self.input_valid: torch.Tensor | None = None  # (batch, new tokens) of the forward under way
-        self.prompt_lengths: torch.Tensor | None = None  # (batch,) real prompt tokens
-        self.prompt_start: torch.Tensor | None = None  # (batch,) index of each row's first real token
-        self.budgets: torch.Tensor | None = None  # (batch,) tokens kept per row, set by the press at prefill
+        self.press, self.config = press, config
+        self.forward: Forward | None = None
+        self.prompt_lengths: torch.Tensor | None = None
+        self.prompt_start: torch.Tensor | None = None
+        self.budgets: torch.Tensor | None = None
         self.seconds: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)  # press events, e.g. selections, tokens loaded
+        self.counts: dict[str, int] = defaultdict(int)
         self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
         self.state = press.new_state(self)
 
@@ -301,10 +135,175 @@ class SparseCache(Cache):
         """A copy (e.g. to answer several questions from one compressed context) shares the press: it is
         configuration, never state."""
         memo[id(self.press)] = self.press
+        memo[id(self.config)] = self.config
         clone = memo[id(self)] = object.__new__(type(self))
         for name, value in self.__dict__.items():
             setattr(clone, name, copy.deepcopy(value, memo))
         return clone
+
+    def compressed_layers(self) -> list[KVLayer]:
+        return [layer for layer in self.layers if isinstance(layer, KVLayer)]
+
+    # --- the driver: one forward's events, in order ----------------------------------------------------------
+    def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_len: int,
+                      batch: int) -> None:
+        """Open a forward of `q_len` tokens per row; the 2D `attention_mask` tells which are real."""
+        valid = None  # None: every new token is real (the common case, and the fast path)
+        if attention_mask is not None and attention_mask.ndim == 2:
+            valid = attention_mask[:, -q_len:].bool()
+            valid = None if bool(valid.all()) else valid
+        self.forward = Forward(input_ids, valid, q_len)
+        if self.prompt_lengths is None:
+            real = valid if valid is not None else torch.ones(batch, q_len, dtype=torch.bool)
+            self.prompt_lengths = real.sum(-1).cpu()
+            self.prompt_start = (q_len - self.prompt_lengths).clamp(min=0)
+        if self.press.reads_input_ids and input_ids is None:
+            raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
+        self.press.begin_forward(self, self.forward)
+
+    def before_layer(self, module, hidden: torch.Tensor, position_embeddings):
+        """Before layer `module.layer_idx`'s attention: the press's selection, then the mask (or `KEEP_MASK`)."""
+        forward = self._open_forward(module.layer_idx)
+        layer = self.layers[module.layer_idx]
+        call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings, None,
+                                                               forward.input_valid)
+        call.capture = self.press.reads_step_queries and layer.logical_len > 0  # after the prompt
+        if self.press.selects_before_attention:
+            self.press.before_attention(self, layer, call)
+        if not layer.compressed:
+            return KEEP_MASK
+        impl = module.config._attn_implementation
+        if forward.input_valid is None and layer.all_valid and (forward.q_len == 1 or impl.startswith("flash")):
+            return None  # every slot real, nothing causal to mask: the fast path
+        new_valid = forward.input_valid
+        if new_valid is None:
+            new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
+        return physical_mask(layer.valid, new_valid, impl, hidden.dtype)
+
+    def after_queries(self, layer_idx: int, projected: torch.Tensor) -> None:
+        """The layer's query projection ran: presses that read a step's queries get them (`on_queries`)."""
+        call = self.forward.calls.get(layer_idx) if self.forward is not None else None
+        if call is None or not call.capture or call.projected is not None:  # not captured, or a press's own
+            return  # projection (run from `on_queries` itself)
+        call.projected = projected
+        layer = self.layers[layer_idx]
+        slots, valid = layer.slots, layer.valid
+        self.press.on_queries(self, layer, call)
+        if layer.slots != slots or layer.valid is not valid:  # the mask was built for this layout
+            raise RuntimeError(f"{type(self.press).__name__}.on_queries changed layer {layer_idx}'s slots or their "
+                               "validity after its mask was built; rewrite what slots hold, not how many there are.")
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        forward = self._open_forward(layer_idx)
+        kwargs.setdefault("valid", forward.input_valid)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def after_layer(self, layer_idx: int, weights: torch.Tensor | None) -> None:
+        """After the layer's attention: the press compresses the prompt, or does its per-step work; timed."""
+        call = self.forward.calls.pop(layer_idx)
+        call.weights = weights
+        layer = self.layers[layer_idx]
+        start = time.perf_counter()
+        if layer.logical_len == call.q_len:  # the first forward of this cache: the prompt
+            self.press.compress(self, layer, call)
+            self.seconds["compress"] += time.perf_counter() - start
+        else:
+            self.press.after_step(self, layer, call)
+            self.seconds["step"] += time.perf_counter() - start
+
+    def end_forward(self, logits: torch.Tensor | None) -> None:
+        """After the model, with its next-token `logits` `(batch, q, vocab)` (None if it returned none)."""
+        if logits is not None:
+            self.press.end_forward(self, logits)
+        self.forward = None
+
+    def _open_forward(self, layer_idx: int) -> Forward:
+        forward = self.forward
+        if forward is None:
+            raise RuntimeError(
+                f"sparsekv: this cache was built under {type(self.press).__name__} and is used without it (layer "
+                f"{layer_idx}); continue it inside `with press(model):` on the model the press was installed on.")
+        return forward
+
+    # --- generic state operations: every press, every layer --------------------------------------------------
+    def _map_rows(self, op: str, arg) -> None:
+        if self.prompt_lengths is None:
+            return
+        fn, batch = row_index(op, arg), self.prompt_lengths.shape[0]
+        name = {"reorder": "reorder_cache", "select": "batch_select_indices", "repeat": "batch_repeat_interleave"}
+        for layer in self.layers:
+            if isinstance(layer, RowState):
+                layer.map_rows(fn, batch)
+            else:
+                getattr(layer, name[op])(arg)
+        self.map_rows(fn, batch)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row `i` becomes row `beam_idx[i]`, in every layer and every piece of press state."""
+        self._map_rows("reorder", beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_rows("select", indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows("repeat", repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` tokens (assisted decoding's rejected draft): the press takes back
+        what they added to its state (`Press.crop`), and every layer drops their KV."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop: give a negative number of tokens to remove; got {tokens_to_remove}.")
+        length = self.get_seq_length() + tokens_to_remove
+        if tokens_to_remove and self.prompt_lengths is not None:
+            self.press.crop(self, length)  # first: it may read the rejected tokens' KV
+        for layer in self.layers:
+            if isinstance(layer, KVLayer):
+                layer.crop_to(length)
+            else:
+                layer.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        """Empty, as a new cache for the same press and model: every layer and all press state start anew."""
+        self.__init__(self.press, self.config)
+
+    def stats(self) -> CacheStats:
+        """What the cache holds now (see `CacheStats`)."""
+        resident, attended, by_device, kv, offloaded = [], [], defaultdict(int), 0, 0
+        for layer in self.layers:
+            if layer.keys is None or not layer.is_initialized:
+                resident.append(0)
+                attended.append(0.0)
+                continue
+            if not isinstance(layer, KVLayer):  # transformers' own layer: it attends what it holds
+                n = layer.keys.shape[-2]
+                resident.append(n)
+                attended.append(float(n))
+                kv += layer.keys.nbytes + layer.values.nbytes
+                for t in (layer.keys, layer.values):
+                    by_device[str(t.device)] += t.nbytes
+                continue
+            resident.append(layer.resident_slots())
+            attended.append(float(layer.valid.sum(-1).float().mean()))
+            away = layer.offloaded_tensors()
+            offloaded += sum(t.nbytes for t in away)
+            seen = set()  # the store may be what attention reads (CHESS before its first selection)
+            for t in layer.attended_tensors() + [t for t in layer.stored_tensors() if not any(t is a for a in away)]:
+                if t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    kv += t.nbytes
+            for t in layer.held_tensors():
+                by_device[str(t.device)] += t.untyped_storage().nbytes()
+        return CacheStats(
+            logical_tokens=self.get_seq_length(),
+            resident_tokens=resident,
+            attended_tokens=attended,
+            kv_bytes=kv,
+            bytes_by_device=dict(by_device),
+            seconds=dict(self.seconds),
+            offloaded_bytes=offloaded,
+            counts=dict(self.counts),
+            layer_jaccard=self.layer_jaccard(),
+        )
 
     def prompt_work(self, key, compute):
         """`compute()`, or its result for the same `key` on the same prompt when one is at hand.
@@ -318,54 +317,6 @@ class SparseCache(Cache):
         if key not in self.shared:
             self.shared[key] = compute()
         return self.shared[key]
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kwargs.setdefault("valid", self.input_valid)
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
-
-    def begin_forward(self, attention_mask: torch.Tensor | None, query_length: int, batch: int) -> None:
-        """Record which of the tokens about to be processed are real, from the 2D attention mask."""
-        self.input_valid = None  # None: every new token is real (the common case, and the fast path)
-        if attention_mask is not None and attention_mask.ndim == 2:
-            valid = attention_mask[:, -query_length:].bool()
-            if not bool(valid.all()):
-                self.input_valid = valid
-        if self.prompt_lengths is None:
-            valid = self.input_valid
-            if valid is None:
-                valid = torch.ones(batch, query_length, dtype=torch.bool)
-            self.prompt_lengths = valid.sum(-1).cpu()
-            self.prompt_start = (query_length - self.prompt_lengths).clamp(min=0)
-
-    def stats(self) -> CacheStats:
-        """What the cache holds now (see `CacheStats`)."""
-        resident, attended, by_device, kv = [], [], defaultdict(int), 0
-        for layer in self.layers:
-            if layer.keys is None or not layer.is_initialized:
-                resident.append(0)
-                attended.append(0.0)
-                continue
-            ours = isinstance(layer, KVLayer)
-            n = layer.keys.shape[-2]
-            resident.append(layer.resident_slots() if ours else n)
-            valid = getattr(layer, "valid", None)
-            attended.append(float(valid.sum(-1).float().mean()) if valid is not None else float(n))
-            kv += sum(t.nbytes for t in (layer.kv_tensors() if ours else [layer.keys, layer.values]))
-            tensors = layer.held_tensors() if hasattr(layer, "held_tensors") else [layer.keys, layer.values]
-            for t in tensors:
-                by_device[str(t.device)] += t.nbytes
-        return CacheStats(
-            logical_tokens=self.get_seq_length(),
-            resident_tokens=resident,
-            attended_tokens=attended,
-            kv_bytes=kv,
-            bytes_by_device=dict(by_device),
-            seconds=dict(self.seconds),
-            offloaded_bytes=sum(t.nbytes for layer in self.layers if isinstance(layer, KVLayer)
-                                for t in layer.offloaded_tensors()),
-            counts=dict(self.counts),
-            layer_jaccard=self.layer_jaccard(),
-        )
 
     def prompt_kept(self) -> dict[int, torch.Tensor]:
         """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens (left-padded positions)
@@ -402,3 +353,24 @@ def cache_footprint(cache) -> tuple[float, float, int]:
     layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
     tokens = sum(layer.keys.shape[-2] for layer in layers) / max(len(layers), 1)
     return tokens, tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+
+
+def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, dtype: torch.dtype):
+    """The attention mask of a compressed layer: past slots by validity, new tokens causal among themselves.
+
+    Returns what the attention implementation expects: None when nothing is masked; a 2D `(batch, kv)` mask for
+    flash attention (it aligns causality bottom-right, which matches new tokens appended last); a 4D boolean
+    mask for sdpa; a 4D additive float mask for eager.
+    """
+    q = new_valid.shape[1]
+    kv_valid = torch.cat([past_valid, new_valid.to(past_valid.device)], dim=-1)
+    if impl.startswith("flash"):
+        return None if bool(kv_valid.all()) else kv_valid
+    if q == 1 and bool(kv_valid.all()):
+        return None
+    n = past_valid.shape[1]
+    mask = kv_valid[:, None, None, :].repeat(1, 1, q, 1)
+    mask[..., n:] &= torch.ones(q, q, dtype=torch.bool, device=mask.device).tril()
+    if impl == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask

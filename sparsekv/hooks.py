@@ -1,18 +1,15 @@
-"""Installing a press on a model: forward hooks, no patching.
+"""Installing a press on a model: forward hooks that hand each event of a forward to its cache, no patching.
 
-- A pre-hook on the model gives every forward that would create a default cache a `SparseCache` instead, and
-  tells the cache which input tokens are real. A hook after the model hands the logits to the press.
-- Hooks on each full-attention module: before attention, the press may prepare the layer (selection) and the
-  mask is rebuilt for the layer's physical layout once it is compressed; after attention, the press compresses
-  the prompt (first forward) or does its per-step work (every later forward).
-- A hook after each such module's query projection: on forwards after the prompt, presses that read queries
-  get the projection as it was computed (`AttentionCall.projected`), so a step's queries are never projected
-  twice; `on_queries` runs there, before attention.
+The hooks hold no state of a generation: they find the generation's `SparseCache` in the forward's arguments
+and call its driver (`SparseCache.begin_forward`, `before_layer`, `after_queries`, `after_layer`,
+`end_forward`). The query projection's hook sees no cache argument; it reads the cache of the forward running in
+its own thread (a thread-local of the installation), so concurrent generations on one model never meet.
 """
 
 from __future__ import annotations
 
-import time
+import logging
+import threading
 import weakref
 from contextlib import contextmanager
 from functools import partial
@@ -21,9 +18,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .attention import AttentionCall, query_projection
-from .cache import COMPRESSED_LAYER_TYPES, SparseCache
+from .attention import query_projection
+from .cache import COMPRESSED_LAYER_TYPES, KEEP_MASK, SparseCache
 
+logger = logging.getLogger("sparsekv")
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 _active: weakref.WeakSet = weakref.WeakSet()  # models with a press installed: presses do not nest
 
@@ -40,6 +38,20 @@ def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def compressed_layers(config) -> list[int]:
     types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     return [i for i, t in enumerate(types) if t in COMPRESSED_LAYER_TYPES]
+
+
+class Installation:
+    """One `with press(model):` block: the press, the model, and per thread the cache of the running forward."""
+
+    def __init__(self, press, model):
+        self.press, self.model = press, model
+        self.running = threading.local()
+        self.warned: set[str] = set()  # each warning once per block, not once per forward
+
+    def warn(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            logger.warning(message)
 
 
 @contextmanager
@@ -59,148 +71,145 @@ def install(press, model: torch.nn.Module):
     targets = [modules[i] for i in compressed_layers(model.config) if i in modules]
     if not targets:
         raise ValueError("model: it has no full-attention layers to compress (all are sliding-window or linear).")
-    handles = []
-    steps: dict[int, tuple] = {}  # layer -> (cache, call) of this forward, from before attention to after it
+    inst, handles = Installation(press, model), []
     _active.add(model)
     try:
-        handles.append(model.register_forward_pre_hook(partial(_before_model, press, model), with_kwargs=True))
-        handles.append(model.register_forward_hook(_after_model, with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(partial(_before_model, inst), with_kwargs=True))
+        handles.append(model.register_forward_hook(partial(_after_model, inst), with_kwargs=True))
         for module in targets:
-            handles.append(module.register_forward_pre_hook(partial(_before_attention, steps), with_kwargs=True))
-            handles.append(module.register_forward_hook(partial(_after_attention, steps), with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
+            handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
             projection = query_projection(module)
             if projection is not None:
-                handles.append(projection.register_forward_hook(partial(_after_queries, steps, module)))
+                handles.append(projection.register_forward_hook(partial(_after_queries, inst, module.layer_idx)))
         yield model
     finally:
         for handle in handles:
             handle.remove()
-        steps.clear()
         _active.discard(model)
 
 
-def _before_model(press, model, module, args, kwargs):
+def _before_model(inst: Installation, module, args, kwargs):
+    inst.running.cache = None
     use_cache = kwargs.get("use_cache")
-    if use_cache is False or (use_cache is None and not getattr(model.config, "use_cache", True)):
+    if use_cache is False or (use_cache is None and not getattr(inst.model.config, "use_cache", True)):
+        inst.warn("use_cache", f"sparsekv: use_cache=False: there is no KV cache to compress, so "
+                               f"{type(inst.press).__name__} does nothing; leave use_cache on inside the `with` block.")
         return None
     # transformers >= 5.24 calls it `cache`; a caller's deprecated `past_key_values` is still renamed by forward.
     key = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else "cache"
     cache = kwargs.get(key)
-    fresh_default = (
-        type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False) and cache.get_seq_length() == 0
-    )
-    if cache is None or fresh_default:
-        cache = kwargs[key] = SparseCache(press, model.config)
-    if isinstance(cache, SparseCache):
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None:
-            inputs = kwargs["inputs_embeds"]
-        cache.begin_forward(kwargs.get("attention_mask"), inputs.shape[1], inputs.shape[0])
-        if cache.press.reads_input_ids:
-            cache.press.before_forward(cache, kwargs.get("input_ids", args[0] if args else None))
+    if cache is None or _fresh_default(cache):
+        default, cache = cache, SparseCache(inst.press, inst.model.config)
+        if default is not None and any(getattr(layer, "record_past", False) for layer in default.layers):
+            cache.activate_past_recording()  # generate asked its cache to be croppable (drafts)
+        kwargs[key] = cache
+    elif not isinstance(cache, SparseCache):
+        _refuse(inst, cache)
+        return None
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    shape = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape
+    draft = 0 if args else _draft_length(kwargs, cache, shape[1])  # generate passes keywords only
+    if draft:
+        kwargs = _prefill_before_draft(inst, module, kwargs, key, draft)
+        inputs, shape = kwargs.get("input_ids"), (shape[0], draft)
+    cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0])
+    inst.running.cache = cache
     return args, kwargs
 
 
+def _draft_length(kwargs, cache: SparseCache, q: int) -> int:
+    """Draft tokens in a first forward: assisted decoding and prompt lookup verify their first draft in the
+    prompt's forward and ask for the logits of the prompt's last token and the draft (`logits_to_keep`)."""
+    keep = kwargs.get("logits_to_keep")
+    if cache.prompt_lengths is not None or not isinstance(keep, int) or not 1 < keep < q:
+        return 0
+    return keep - 1
+
+
+# Inputs of a forward with one entry per new token, on their last dimension (input_ids, position_ids) or the one
+# before (inputs_embeds); the attention mask covers the past too and is left whole.
+_PER_TOKEN = {"input_ids": -1, "position_ids": -1, "cache_position": -1, "inputs_embeds": -2}
+
+
+def _prefill_before_draft(inst: Installation, module, kwargs, key: str, draft: int) -> dict:
+    """Run the prompt alone first (compressed as in any generation), so the draft is verified against the
+    compressed prompt, as tokens decoded one by one would be; the outer forward then runs the draft only. Its
+    logits are joined after the prompt's last ones (`_after_model`), so the caller sees one forward."""
+    prompt = {k: (v.narrow(_PER_TOKEN[k], 0, v.shape[_PER_TOKEN[k]] - draft) if k in _PER_TOKEN and
+                  torch.is_tensor(v) else v) for k, v in kwargs.items()}
+    mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.ndim == 2:
+        prompt["attention_mask"] = mask[:, :-draft]
+    prompt["logits_to_keep"] = 1
+    logits = module(**prompt).logits  # re-enters these hooks: the prompt's forward, compressed
+    rest = {k: (v.narrow(_PER_TOKEN[k], v.shape[_PER_TOKEN[k]] - draft, draft) if k in _PER_TOKEN and
+                torch.is_tensor(v) else v) for k, v in kwargs.items()}
+    rest["logits_to_keep"] = draft
+    inst.running.prompt_logits = logits[:, -1:]
+    return rest
+
+
+def _fresh_default(cache) -> bool:
+    """The empty `DynamicCache` generate makes when no cache was asked for: a `SparseCache` takes its place."""
+    return (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
+            and not getattr(cache, "offloading", False) and cache.get_seq_length() == 0)
+
+
+def _refuse(inst: Installation, cache) -> None:
+    """A cache the press cannot compress: a user's own `DynamicCache` runs uncompressed (said once); a static,
+    quantized or offloaded one is an error."""
+    name = type(inst.press).__name__
+    if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        inst.warn("user_cache", f"sparsekv: {name} cannot compress a DynamicCache it did not build, so this "
+                                "generation runs uncompressed; pass no cache, or `press.make_cache(model)`.")
+        return
+    kind = "offloaded DynamicCache" if getattr(cache, "offloading", False) else type(cache).__name__
+    raise ValueError(f"sparsekv: {name} cannot compress a {kind}; inside `with press(model):` leave "
+                     "cache_implementation unset and pass no cache (or `press.make_cache(model)`).")
+
+
 @torch.no_grad()
-def _after_model(module, args, kwargs, output):
-    cache = getattr(output, "cache", None)
+def _after_model(inst: Installation, module, args, kwargs, output):
+    cache, inst.running.cache = getattr(inst.running, "cache", None), None
+    if cache is None:
+        return None
     logits = getattr(output, "logits", None)
-    if isinstance(cache, SparseCache) and logits is not None:
-        cache.press.on_logits(cache, logits)
-
-
-def _cache_of(kwargs) -> SparseCache | None:
-    cache = kwargs.get("cache")
-    return cache if isinstance(cache, SparseCache) else None
-
-
-def _call(module, args, kwargs, cache, weights=None) -> AttentionCall:
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    return AttentionCall(module, hidden, kwargs["position_embeddings"], weights, cache.input_valid)
+    if logits is None and isinstance(output, tuple) and output and torch.is_tensor(output[0]):
+        logits = output[0]  # return_dict=False
+    cache.end_forward(logits)
+    prompt_logits, inst.running.prompt_logits = getattr(inst.running, "prompt_logits", None), None
+    if prompt_logits is not None and logits is not None:  # a first forward split before its draft
+        joined = torch.cat([prompt_logits.to(logits.dtype), logits], dim=1)
+        if isinstance(output, tuple):
+            return (joined, *output[1:])
+        output.logits = joined
+    return None
 
 
 @torch.no_grad()  # press work never needs gradients
-def _before_attention(steps, module, args, kwargs):
-    steps.pop(module.layer_idx, None)
-    cache = _cache_of(kwargs)
-    if cache is None:
+def _before_attention(module, args, kwargs):
+    cache = kwargs.get("cache")
+    if not isinstance(cache, SparseCache):
         return None
-    layer = cache.layers[module.layer_idx]
-    capture = cache.press.reads_step_queries and layer.logical_len > 0  # after the prompt: capture the queries
-    if cache.press.selects_before_attention or capture:  # skip building the call otherwise
-        call = _call(module, args, kwargs, cache)
-        press_before_attention(cache, layer, call)
-        if capture:
-            steps[module.layer_idx] = cache, call
-    if not layer.compressed:
-        return None
-    impl = module.config._attn_implementation
     hidden = kwargs.get("hidden_states", args[0] if args else None)
-    if cache.input_valid is None and layer.all_valid and (hidden.shape[1] == 1 or impl.startswith("flash")):
-        kwargs["attention_mask"] = None  # every slot real, nothing causal to mask: the fast path
-    else:
-        new_valid = cache.input_valid
-        if new_valid is None:
-            new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
-        kwargs["attention_mask"] = physical_mask(layer.valid, new_valid, impl, hidden.dtype)
+    mask = cache.before_layer(module, hidden, kwargs["position_embeddings"])
+    if mask is KEEP_MASK:
+        return None
+    kwargs["attention_mask"] = mask
     return args, kwargs
 
 
 @torch.no_grad()
-def _after_queries(steps, attention, module, args, output):
-    cache, call = steps.get(attention.layer_idx, (None, None))
-    if call is None or call.projected is not None:  # the prompt, no press reading queries, or a press's own
-        return  # projection (run from `on_queries`)
-    call.projected = output
-    cache.press.on_queries(cache, cache.layers[attention.layer_idx], call)
+def _after_queries(inst: Installation, layer_idx: int, module, args, output):
+    cache = getattr(inst.running, "cache", None)
+    if cache is not None:
+        cache.after_queries(layer_idx, output)
 
 
 @torch.no_grad()
-def _after_attention(steps, module, args, kwargs, output):
-    _, call = steps.pop(module.layer_idx, (None, None))
-    cache = _cache_of(kwargs)
-    if cache is None:
-        return
-    weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-    if call is None:
-        call = _call(module, args, kwargs, cache)
-    call.weights = weights
-    press_after_attention(cache, cache.layers[module.layer_idx], call)
-
-
-def press_before_attention(cache: SparseCache, layer, call: AttentionCall) -> None:
-    """The press's work before a layer's attention (selection presses only)."""
-    if cache.press.selects_before_attention:
-        cache.press.before_attention(cache, layer, call)
-
-
-def press_after_attention(cache: SparseCache, layer, call: AttentionCall) -> None:
-    """The press's work after a layer's attention: compress the prompt, or its per-step work, timed."""
-    start = time.perf_counter()
-    if layer.logical_len == call.q_len:  # first forward of this cache: the prompt
-        cache.press.compress(cache, layer, call)
-        cache.seconds["compress"] += time.perf_counter() - start
-    else:
-        cache.press.after_step(cache, layer, call)
-        cache.seconds["step"] += time.perf_counter() - start
-
-
-def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, dtype: torch.dtype):
-    """The attention mask of a compressed layer: past slots by validity, new tokens causal among themselves.
-
-    Returns what the attention implementation expects: None when nothing is masked; a 2D `(batch, kv)` mask for
-    flash attention (it aligns causality bottom-right, which matches new tokens appended last); a 4D boolean
-    mask for sdpa; a 4D additive float mask for eager.
-    """
-    q = new_valid.shape[1]
-    kv_valid = torch.cat([past_valid, new_valid.to(past_valid.device)], dim=-1)
-    if impl.startswith("flash"):
-        return None if bool(kv_valid.all()) else kv_valid
-    if q == 1 and bool(kv_valid.all()):
-        return None
-    n = past_valid.shape[1]
-    mask = kv_valid[:, None, None, :].repeat(1, 1, q, 1)
-    mask[..., n:] &= torch.ones(q, q, dtype=torch.bool, device=mask.device).tril()
-    if impl == "eager":
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    return mask
+def _after_attention(module, args, kwargs, output):
+    cache = kwargs.get("cache")
+    if isinstance(cache, SparseCache):
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        cache.after_layer(module.layer_idx, weights)

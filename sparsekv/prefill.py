@@ -18,9 +18,8 @@ from functools import partial
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from .attention import AttentionCall
 from .cache import SparseCache
-from .hooks import _active, attention_modules, compressed_layers, press_after_attention, press_before_attention
+from .hooks import _active, attention_modules, compressed_layers
 
 
 @dataclass
@@ -76,23 +75,20 @@ class Prefill:
         """The cache `press` builds on this prompt: the same as after `generate`'s prefill under the press."""
         cache = press.make_cache(self.model)
         b, q = self.input_ids.shape
-        cache.begin_forward(self.attention_mask, q, b)
-        if press.reads_input_ids:
-            press.before_forward(cache, self.input_ids)
         cache.shared = self.shared
+        # The events of the prompt's forward, in the driver's order (`sparsekv.cache`), on the recording.
+        cache.begin_forward(self.input_ids, self.attention_mask, q, b)
         modules = attention_modules(self.model)
         for i, recorded in enumerate(self.cache.layers):
             if i not in self.inputs:  # a layer sparsekv leaves alone (sliding window): transformers' own state
                 cache.layers[i] = copy.deepcopy(recorded)
                 continue
             hidden, position_embeddings = self.inputs[i]
-            layer = cache.layers[i]
-            call = AttentionCall(modules[i], hidden, position_embeddings, None, cache.input_valid)
-            press_before_attention(cache, layer, call)
+            cache.before_layer(modules[i], hidden, position_embeddings)
             cache.update(recorded.keys, recorded.values, i)
-            press_after_attention(cache, layer, call)
+            cache.after_layer(i, None)
+        cache.end_forward(self.logits)
         cache.shared = None  # the prompt is done: the cache keeps no reference to the recording
-        press.on_logits(cache, self.logits)
         return cache
 
     @torch.no_grad()

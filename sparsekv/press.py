@@ -1,29 +1,59 @@
 """The `Press` base class: a KV-cache policy as a dataclass, applied with `with press(model): ...`.
 
-A press is configuration only. Everything one generation needs lives in its `SparseCache` (per-layer slots,
-per-row budgets, `cache.state`), so a press can be reused and two generations never share state.
+A press is configuration only. Everything one generation needs lives in its `SparseCache` (layers, per-row
+budgets, `cache.state`, the `Forward` under way), so a press can be reused and two generations never share state.
 
-What the core asks of a press (override what the method needs; every default does nothing):
-- `compress(cache, layer, call)`: after attention on the prompt, choose what the layer keeps.
-- `after_step(cache, layer, call)`: after attention on every later forward (decoding): evict, rescore.
-- `before_attention(cache, layer, call)`: before attention on every forward: select what to attend.
-- `on_queries(cache, layer, call)`: on every forward after the prompt, once the layer projected its queries
-  and before attention: select from this step's queries (`call.queries()` is captured there, not recomputed).
-- `on_logits(cache, logits)`: after each model forward, with the next-token logits.
-- `before_forward(cache, input_ids)`: before each model forward, with its token ids (None for embeddings).
-- `new_layer(layer_idx)` / `new_state(cache)`: the layer objects and cross-layer state a generation needs.
+A press is a sequence of phases, called by the cache's driver (`sparsekv.cache`) in this order; override what
+the method needs, every default does nothing:
+
+1. `begin_forward(cache, forward)`: before each model forward (token ids in `forward.input_ids`); a plan every
+   layer of the forward shares goes to `forward.plan`.
+2. `before_attention(cache, layer, call)`: before a layer's attention, before its mask is built: change what
+   the layer holds (a working set). Needs `selects_before_attention = True`.
+3. `on_queries(cache, layer, call)`: forwards after the prompt, once the layer projected its queries
+   (`call.queries()` shapes them, no second projection): rewrite what slots hold, never how many there are or
+   their validity (asserted). Needs `reads_step_queries = True`.
+4. `compress(cache, layer, call)`: after a layer's attention over the prompt: choose what it keeps.
+5. `after_step(cache, layer, call)`: after a layer's attention on every later forward: evict, rescore.
+6. `end_forward(cache, logits)`: after each model forward, with its logits `(batch, q, vocab)`.
+
+Between forwards, `crop(cache, length)`: assisted decoding rejected the last forward's tokens from `length` on;
+take back what they added to the press's own state (the core crops the layers' KV right after).
+
+And two factories: `new_layer(layer_idx)` (a `KVLayer`, or a `StoreLayer` with the press's per-layer state) and
+`new_state(cache)` (the press's per-generation state, a `RowState`).
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from .attention import AttentionCall
-from .cache import KVLayer, SparseCache
+from .cache import Forward, KVLayer, SparseCache
 from .hooks import install
+
+
+def check_number(owner: str, name: str, value, *, integer: bool = False, low=None, high=None,
+                 low_open: bool = False, unit: str = ""):
+    """`value` as a Python int or float (numpy scalars accepted, booleans refused), or a ValueError naming
+    `owner.name` and the allowed range: `[low, high]`, `(low, high]` when `low_open`."""
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, (bool, torch.Tensor))
+    if ok:
+        value = int(value) if integer else float(value)
+        ok = (low is None or (value > low if low_open else value >= low)) and (high is None or value <= high)
+    if not ok:
+        if high is None:
+            bound = f"{'>' if low_open else '>='} {low}"
+        else:
+            bound = f"in {'(' if low_open else '['}{low}, {high}]" if low is not None else f"<= {high}"
+        what = "an integer " if integer else "" if high is not None else "a number "
+        raise ValueError(f"{owner}: {name} must be {what}{bound}{f' ({unit})' if unit else ''}; got {value!r}.")
+    return value
 
 
 @dataclass
@@ -33,6 +63,12 @@ class Press:
     Args:
         ratio: fraction of each prompt's KV kept, in (0, 1]. 1.0 keeps everything (no compression).
         budget: tokens of each prompt's KV kept (an alternative to `ratio`; give exactly one).
+
+    Capabilities (class attributes; what the driver does for the press):
+        reads_input_ids: `begin_forward` reads token ids (a forward given embeddings is refused).
+        selects_before_attention: `before_attention` is called.
+        reads_step_queries: decoding steps capture each layer's query projection for `call.queries()`, and
+            `on_queries` is called.
     """
 
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
@@ -40,19 +76,28 @@ class Press:
     budget: int | None = field(default=None, kw_only=True)
     # Options of a press that set its budget instead of ratio / budget (e.g. CHESS's preset).
     budget_options: ClassVar[tuple[str, ...]] = ()
+    reads_input_ids: ClassVar[bool] = False
+    selects_before_attention: ClassVar[bool] = False
+    reads_step_queries: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for method, flag in (("before_attention", "selects_before_attention"), ("on_queries", "reads_step_queries")):
+            if getattr(cls, method) is not getattr(Press, method) and not getattr(cls, flag):
+                raise TypeError(f"{cls.__name__} overrides {method} but does not declare {flag} = True.")
 
     def __post_init__(self):
+        name = type(self).__name__
         if (self.ratio is None) == (self.budget is None):
             raise ValueError(
-                f"{type(self).__name__}: give exactly one of ratio (fraction of the prompt's KV kept, 0 < ratio <= 1) "
+                f"{name}: give exactly one of ratio (fraction of the prompt's KV kept, 0 < ratio <= 1) "
                 f"or budget (tokens kept, an integer >= 1); got ratio={self.ratio!r}, budget={self.budget!r}."
             )
-        if self.ratio is not None and not (isinstance(self.ratio, (int, float)) and 0 < self.ratio <= 1):
-            raise ValueError(f"{type(self).__name__}: ratio must be in (0, 1] (fraction of KV kept); "
-                             f"got {self.ratio!r}.")
-        if self.budget is not None and not (isinstance(self.budget, int) and self.budget >= 1):
-            raise ValueError(f"{type(self).__name__}: budget must be an integer >= 1 (tokens kept); "
-                             f"got {self.budget!r}.")
+        if self.ratio is not None:
+            self.ratio = check_number(name, "ratio", self.ratio, low=0, high=1, low_open=True,
+                                      unit="fraction of KV kept")
+        if self.budget is not None:
+            self.budget = check_number(name, "budget", self.budget, integer=True, low=1, unit="tokens kept")
 
     def __call__(self, model: torch.nn.Module):
         """Install on `model` for the duration of a `with` block."""
@@ -62,82 +107,67 @@ class Press:
         """An empty cache for this press, to pass as `cache` (e.g. to reuse a compressed context)."""
         return SparseCache(self, model.config)
 
-    # --- extension points -------------------------------------------------------------------------------------
+    # --- factories ----------------------------------------------------------------------------------------------
     def new_layer(self, layer_idx: int) -> KVLayer:
-        """The cache layer of full-attention layer `layer_idx` (a `KVLayer` subclass for presses with per-layer
-        state, e.g. CHESS's page store)."""
+        """The cache layer of full-attention layer `layer_idx`."""
         return KVLayer()
 
     def new_state(self, cache: SparseCache):
-        """The press's cross-layer state for one generation, kept in `cache.state` (never on the press)."""
+        """The press's per-generation state, kept in `cache.state` (never on the press); a `RowState` or None."""
         return None
 
+    # --- phases, in the order the driver calls them -------------------------------------------------------------
+    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
+        """Before each model forward."""
+
+    def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+        """Before a layer's attention, before its mask: change what the layer holds (selecting presses)."""
+
+    def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+        """On forwards after the prompt, once the layer projected its queries, before attention."""
+
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """After attention ran over the prompt in `layer`: compress it (`layer.keep` / `select` / `evict`).
+        """After a layer's attention over the prompt: compress it (`layer.keep` / `select` / `evict`).
         `call` rebuilds queries and attention rows on demand."""
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """After attention in `layer` on each forward that follows the prompt (decoding steps)."""
+        """After a layer's attention on each forward that follows the prompt (decoding steps)."""
 
-    def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """Before attention in `layer` on each decoding step: change what the layer attends (selection presses)."""
+    def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
+        """After each model forward, with its next-token `logits` `(batch, q, vocab)`."""
 
-    @property
-    def selects_before_attention(self) -> bool:
-        """Whether the press overrides `before_attention` (the hooks skip building its arguments otherwise)."""
-        return type(self).before_attention is not Press.before_attention
-
-    def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """On each forward after the prompt, right after `layer` projected its queries, before attention.
-
-        `call.queries()` shapes the captured projection (no second projection). The attention mask is built by
-        then: rewrite what slots hold (keys, values, positions), never how many there are or their validity.
-        """
-
-    @property
-    def reads_step_queries(self) -> bool:
-        """Whether decoding steps capture each layer's query projection for `call.queries()` (in `on_queries`
-        and `after_step`). True when `on_queries` is overridden; presses whose `after_step` reads queries say
-        so too."""
-        return type(self).on_queries is not Press.on_queries
-
-    def on_logits(self, cache: SparseCache, logits: torch.Tensor) -> None:
-        """After each model forward, with its next-token `logits` `(batch, q, vocab)` (q may be 1)."""
-
-    def before_forward(self, cache: SparseCache, input_ids: torch.Tensor | None) -> None:
-        """Before each model forward, with its token ids (None when the model gets embeddings)."""
-
-    @property
-    def reads_input_ids(self) -> bool:
-        """Whether the press overrides `before_forward` (it sees each forward's token ids, e.g. to segment)."""
-        return type(self).before_forward is not Press.before_forward
+    def crop(self, cache: SparseCache, length: int) -> None:
+        """The tokens at positions `length` and after (the last forward's) are rejected: forget what they added to
+        the press's state. The default keeps it: right for state indexed by prompt slot or by row."""
 
     # --- helpers for presses ------------------------------------------------------------------------------------
     def row_budgets(self, cache: SparseCache, minimum: int = 1, what: str = "1 token") -> torch.Tensor:
         """Tokens each row keeps, `(batch,)`, from `ratio` or `budget`; set once per generation on the cache.
 
         `minimum` tokens (described by `what`, e.g. "window_size=32") are what the press cannot do without:
-        a prompt or a budget smaller than that raises.
+        a prompt or a budget smaller than that raises, naming the row.
         """
         if cache.budgets is None:
             name, lengths = type(self).__name__, cache.prompt_lengths
-            shortest = int(lengths.min())
+            row = int(lengths.argmin())
+            shortest = int(lengths[row])
+            prompt = f"row {row}'s prompt" if len(lengths) > 1 else "the prompt"
             if shortest < minimum:
-                raise ValueError(f"{name}: the prompt ({shortest} tokens) is shorter than {what}; use a longer prompt.")
+                raise ValueError(f"{name}: {prompt} ({shortest} tokens) is shorter than {what}; use a longer prompt.")
             if self.budget is not None:
                 if self.budget > shortest:
-                    raise ValueError(
-                        f"{name}: budget={self.budget} is larger than the prompt ({shortest} tokens); "
-                        "budget must be at most the prompt length."
-                    )
+                    raise ValueError(f"{name}: budget={self.budget} is larger than {prompt} ({shortest} tokens); "
+                                     "budget must be at most the prompt length.")
                 budgets = torch.full_like(lengths, self.budget)
             else:
                 budgets = (lengths.double() * self.ratio).round().long().clamp(min=1)
             if int(budgets.min()) < minimum:
                 asked = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
+                row = int(budgets.argmin())
                 raise ValueError(
-                    f"{name}: {asked} keeps {int(budgets.min())} tokens of a {int(lengths[budgets.argmin()])}-token "
-                    f"prompt, fewer than the {minimum} it always keeps ({what}); raise the ratio or budget."
+                    f"{name}: {asked} keeps {int(budgets[row])} tokens of "
+                    f"{f'row {row} ' if len(lengths) > 1 else 'a '}{int(lengths[row])}-token prompt, fewer than the "
+                    f"{minimum} it always keeps ({what}); raise the ratio or budget."
                 )
             cache.budgets = budgets
         return cache.budgets
@@ -150,14 +180,20 @@ class Press:
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:
         """Evict the lowest-`scores` real tokens until each row is back within its budget.
 
-        One new token (decoding) costs an in-place move of one slot; several (a continued prompt) a gather.
+        One new token (decoding) costs an in-place move of one slot; several (a continued prompt, a draft of
+        assisted decoding) a gather, which never evicts the forward's own tokens when they fit the budget, so
+        that a rejected draft can be cropped from every head.
         """
-        if layer.slots <= int(cache.budgets.max()):
+        budget = int(cache.budgets.max())
+        if layer.slots <= budget:
             return
-        if layer.slots == int(cache.budgets.max()) + 1:
+        if layer.slots == budget + 1:
             layer.evict(scores.masked_fill(~layer.valid[:, None, :], float("inf")).argmin(dim=-1))
-        else:
-            layer.keep(scores.masked_fill(~layer.valid[:, None, :], float("-inf")), cache.budgets)
+            return
+        q = cache.forward.q_len
+        if q <= int(cache.budgets.min()):
+            scores = scores.masked_fill(layer.positions >= layer.logical_len - q, float("inf"))
+        layer.keep(scores.masked_fill(~layer.valid[:, None, :], float("-inf")), cache.budgets)
 
 
 @dataclass

@@ -7,7 +7,8 @@ import torch
 from conftest import greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import CHESSPress
-from sparsekv.presses.chess import PRESETS, CHESSLayer, uncertainty
+from sparsekv import StoreLayer
+from sparsekv.presses.chess import PRESETS, uncertainty
 
 B = 8  # page size of the tests
 
@@ -17,7 +18,7 @@ def chess(**kw):
 
 
 def chess_layers(cache):
-    return [layer for layer in cache.layers if isinstance(layer, CHESSLayer)]
+    return [layer for layer in cache.layers if isinstance(layer, StoreLayer)]
 
 
 def decode(model, ids, steps, mask=None):
@@ -60,13 +61,13 @@ def test_page_vectors_equal_a_recomputation_after_many_steps(pre_rope, schedule)
     total = n + steps - (steps % 7 if "reselect_every" in schedule else 0)
     sums = cache.state.page_sums
     for row, start in enumerate([0, 20]):
-        for layer in chess_layers(cache):
+        for i, layer in enumerate(cache.layers):
             if pre_rope:
-                keys = torch.cat(projected[layer.layer_idx], dim=1)[row, start:total]  # (tokens, heads * dim)
+                keys = torch.cat(projected[i], dim=1)[row, start:total]  # (tokens, heads * dim)
             else:
                 keys = layer.store_keys[row, :, start:total].transpose(0, 1).flatten(1)
             expected = torch.stack([page.sum(0) for page in keys.split(B)])
-            column = cache.state.columns[layer.layer_idx] * keys.shape[1]
+            column = cache.state.columns[i] * keys.shape[1]
             got = sums[row, : len(expected), column: column + keys.shape[1]]
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
             assert not sums[row, len(expected):].any()
@@ -144,7 +145,7 @@ def test_working_context_holds_the_stored_keys():
     assert stats.counts["selections"] == 13 and stats.seconds["select"] > 0
     # Selection, not eviction: every token stays resident, and the KV bytes count the store.
     layers = chess_layers(cache)
-    assert set(stats.resident_tokens[layer.layer_idx] for layer in layers) == {102}
+    assert set(stats.resident_tokens[i] for i in cache.state.columns) == {102}
     store = sum(layer.store_keys.nbytes + layer.store_values.nbytes for layer in layers)
     working = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
     assert stats.kv_bytes == store + working
@@ -183,12 +184,12 @@ def test_reselection_happens_exactly_when_both_thresholds_are_crossed():
         assert cache.counts["selections"] == 1  # always after the prompt
         for logits, selects in [(calm, False), (mixed, True), (uniform, False), (calm, False), (mixed, True)]:
             before = cache.counts["selections"]
-            press.on_logits(cache, logits)
+            press.end_forward(cache, logits)
             assert cache.counts["selections"] - before == int(selects)
     strict = chess(preset="moderate", entropy_threshold=entropy + 0.01, varentropy_threshold=0.0)
     with strict(model):
         cache = model(prompt(60)).cache
-        strict.on_logits(cache, mixed)
+        strict.end_forward(cache, mixed)
         assert cache.counts["selections"] == 1
 
 
@@ -231,8 +232,8 @@ def test_calibrate_sets_the_percentiles():
 
 
 def test_presets_are_table_1():
-    assert CHESSPress(preset="aggressive").ratios == PRESETS["aggressive"] == (0.5, 0.2, 0.1)
-    assert CHESSPress(ratio=0.125).ratios == pytest.approx((0.5, 0.5, 0.5))
+    assert CHESSPress(preset="aggressive").retention == PRESETS["aggressive"] == (0.5, 0.2, 0.1)
+    assert CHESSPress(ratio=0.125).retention == pytest.approx((0.5, 0.5, 0.5))
     assert "preset='moderate'" in repr(CHESSPress(preset="moderate"))
 
 
@@ -242,7 +243,7 @@ def test_presets_are_table_1():
     ({"budget": 100}, "budget is not supported"),
     ({"preset": "wild"}, "preset must be one of"),
     ({"ratios": (0.5, 0.2)}, "ratios must be three fractions"),
-    ({"ratios": (0.5, 0.0, 0.1)}, "ratios must be three fractions"),
+    ({"ratios": (0.5, 0.0, 0.1)}, r"ratios\[1\] must be in \(0, 1\]"),
     ({"ratio": 1.5}, r"ratio must be in \(0, 1\]"),
     ({"preset": "moderate", "page_size": 0}, "page_size must be an integer >= 1"),
     ({"preset": "moderate", "window_pages": 0}, "window_pages must be an integer >= 1"),

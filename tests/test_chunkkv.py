@@ -116,7 +116,7 @@ def test_batch_rows_choose_their_own_chunks():
 def test_layer_jaccard_on_a_constructed_cache():
     model = make_model("llama", num_hidden_layers=3)
     cache = SparseCache(ChunkPress(ratio=0.5), model.config)
-    cache.begin_forward(None, 10, 1)
+    cache.begin_forward(None, None, 10, 1)
     kept = [([0, 1, 2, 3], [5, 6, 7, 8]), ([2, 3, 4, 5], [5, 6, 7, 8]), ([2, 3, 4, 5], [0, 1, 2, 9])]
     for layer, heads in zip(cache.layers, kept):
         layer.update(torch.zeros(1, 2, 10, 16), torch.zeros(1, 2, 10, 16))

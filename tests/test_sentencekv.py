@@ -79,7 +79,7 @@ def fake_cache():
     """What a press's decoding hooks read and write on the cache: timers, counters, the sentence-end flags."""
     return SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,
                                                                          "selections": 0},
-                           state=SimpleNamespace(closing=None))
+                           forward=SimpleNamespace(plan=None))
 
 
 def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
@@ -88,18 +88,18 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     layer = p.new_layer(0)
     d, store = 4, 8
     layer.update(torch.zeros(1, 1, loaded + 12, d), torch.zeros(1, 1, loaded + 12, d))  # + 12 resident slots
-    layer.compressed, layer.loaded, layer.fill = True, loaded, torch.tensor([[[fill]]])
+    layer.compressed, layer.state.loaded, layer.state.fill = True, loaded, torch.tensor([[[fill]]])
     keys = torch.zeros(1, 1, store, d)
     keys[..., :4, 0], keys[..., 4:, 1] = 1.0, 1.0  # sentence 0: direction e0, sentence 1: e1
     keys[..., 2] = torch.arange(store)  # tells the tokens apart
     layer.store_keys, layer.store_values = keys, -keys
     layer.store_positions = torch.arange(100, 100 + store)[None]
-    layer.slot_sentence = torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]])
-    layer.sentence_sizes = torch.tensor([[[4, 4]]])
-    layer.slot_room = loading_room(layer.slot_sentence, layer.sentence_sizes, layer.fill)
-    layer.sentence_keys = torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None]
-    layer.query_sum = torch.zeros(1, 1, d)
-    layer.device_slot = torch.zeros(1, 1, store, dtype=torch.long)
+    layer.state.slot_sentence = torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]])
+    layer.state.sentence_sizes = torch.tensor([[[4, 4]]])
+    layer.state.slot_room = loading_room(layer.state.slot_sentence, layer.state.sentence_sizes, layer.state.fill)
+    layer.state.sentence_keys = torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None]
+    layer.state.query_sum = torch.zeros(1, 1, d)
+    layer.state.device_slot = torch.zeros(1, 1, store, dtype=torch.long)
     return layer
 
 
@@ -141,9 +141,9 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     assert loaded_positions(layer, 4) == [104, 105, 106, 107] and cache.counts["loads"] == 2
     p.on_queries(cache, layer, fake_call(toward(1)))  # same selection: nothing loaded
     assert cache.counts["loads"] == 2 and cache.counts["selections"] == 3 and cache.counts["loaded_tokens"] == 8
-    cache.state.closing = torch.tensor([True])
+    cache.forward.plan = torch.tensor([True])  # the step's token ends a sentence
     p.after_step(cache, layer, None)  # the sentence ended: a fresh mean query
-    assert not layer.query_sum.any()
+    assert not layer.state.query_sum.any()
     p.on_queries(cache, layer, fake_call(0.1 * toward(0)))
     assert loaded_positions(layer, 4) == [100, 101, 102, 103]
 
@@ -197,9 +197,9 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
             queries = project_queries(model.model.layers[i].self_attn, kw["hidden_states"][:1, last:],
                                       (cos[:1, last:], sin[:1, last:]))
             per_kv_head = queries.sum(dim=2).view(1, layer.keys.shape[1], -1, queries.shape[-1]).sum(dim=2)
-            expected = per_kv_head if p.prompt_sentence else torch.zeros_like(layer.query_sum[:1])
-            torch.testing.assert_close(layer.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
-            assert not layer.query_sum[1].any()
+            expected = per_kv_head if p.prompt_sentence else torch.zeros_like(layer.state.query_sum[:1])
+            torch.testing.assert_close(layer.state.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
+            assert not layer.state.query_sum[1].any()
 
 
 def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
@@ -213,7 +213,7 @@ def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
         cache = model(ids, attention_mask=mask).cache
     for layer in compressed(cache):
         for row in range(2):
-            fill = int(layer.fill[row])
+            fill = int(layer.state.fill[row])
             assert fill > 0 and layer.valid[row, :fill].all()
             for head in range(layer.keys.shape[1]):
                 positions = layer.positions[row, head, :fill]
@@ -244,14 +244,14 @@ def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(cent
         weight = mask[:, None, :, None].float()
         mean = (plain * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True) if centre else 0.0
         keys = rotate(plain - mean, kw["position_embeddings"])
-        empty = layer.sentence_keys.shape[2] - 1  # the sentence of empty store slots
+        empty = layer.state.sentence_keys.shape[2] - 1  # the sentence of empty store slots
         for row in range(b):
             stored = layer.store_positions[row]
-            sentence = layer.slot_sentence[row, 0]
+            sentence = layer.state.slot_sentence[row, 0]
             assert len(sentence[sentence != empty].unique()) > 3
             for s_id in sentence[sentence != empty].unique().tolist():
                 at = stored[sentence == s_id]
-                torch.testing.assert_close(layer.sentence_keys[row, :, s_id], keys[row, :, at].mean(1),
+                torch.testing.assert_close(layer.state.sentence_keys[row, :, s_id], keys[row, :, at].mean(1),
                                            rtol=1e-4, atol=1e-4)
 
 
@@ -274,12 +274,12 @@ def test_chosen_slots_are_the_best_sentences_first_tokens_up_to_fill(seed):
         stored = torch.repeat_interleave(torch.arange(n_sentences), sizes[row, 0])
         slot_sentence[row, 0, : len(stored)] = stored
     fill = torch.randint(1, int(sizes.sum(-1).min()) + 1, (b, 1, 1), generator=gen)
-    layer = SimpleNamespace(sentence_sizes=sizes, slot_sentence=slot_sentence.expand(b, h, slots),
-                            sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen),
-                            query_sum=torch.randn(b, h, d, generator=gen))
-    layer.slot_room = loading_room(slot_sentence, sizes, fill)
+    layer = SimpleNamespace(state=SimpleNamespace(
+        sentence_sizes=sizes, slot_sentence=slot_sentence.expand(b, h, slots),
+        sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen), query_sum=torch.randn(b, h, d, generator=gen)))
+    layer.state.slot_room = loading_room(slot_sentence, sizes, fill)
     chosen = SentencePress._chosen(layer)
-    similarity = torch.einsum("bhd,bhsd->bhs", layer.query_sum, layer.sentence_keys)
+    similarity = torch.einsum("bhd,bhsd->bhs", layer.state.query_sum, layer.state.sentence_keys)
     for row in range(b):
         for head in range(h):
             expected, left = torch.zeros(slots, dtype=torch.bool), int(fill[row])

@@ -10,8 +10,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention import rotate
-from ..cache import KVLayer
-from ..press import Press
+from ..cache import StoreLayer
+from ..press import Press, check_number
+from ..state import RowState
 
 # Table 1: retention ratios (rho_g, rho_c, rho_p) of grids, chunks and pages.
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
@@ -29,113 +30,34 @@ def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass
-class CHESSState:
+class CHESSState(RowState):
     """Per generation: the page vectors of every compressed layer and the current selection.
 
     Attributes:
         page_sums: `(batch, pages, D)` float32, per page the sum of its keys; columns are (layer, KV head, dim)
             flattened (eq. 1), each layer filling its own columns. Page k of a row covers the tokens
             `start + k * page_size ...` of that row, `start` its first real token, so padding is in no page.
-        columns: layer index -> its first column in `page_sums`.
+        columns: layer index -> its rank among the compressed layers (its block of columns in `page_sums`).
         selected: `(batch, pages)` pages chosen by the last selection (Algorithm 1).
-        slots: `(batch, n)` store slots of the working context, `valid` `(batch, n)` which are real.
+        plan: `(slots, valid)`, `(batch, n)` store slots of a new working context and which are real, made after
+            a forward for every layer of the next one (`Forward.plan`); None when the context did not change.
         built_at: `(batch,)` complete pages when the working context was last built (the window slides when
             a page completes).
-        version: bumped at each new working context; a layer whose copy is older re-gathers it.
         summed: store slots already added to `page_sums`; the decoded tokens after them are added when page
             vectors are next read (at a selection), all layers at once, instead of layer by layer at every step.
         rope: the `(cos, sin)` of each decoding step since `summed`, to undo RoPE on those keys (`pre_rope`).
+        last_rope: the `(cos, sin)` of the last forward, to take a rejected draft's keys back out (`crop`).
     """
 
     page_sums: torch.Tensor | None = None
     columns: dict[int, int] = field(default_factory=dict)
     selected: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
+    plan: tuple[torch.Tensor, torch.Tensor] | None = None
     built_at: torch.Tensor | None = None
-    version: int = 0
     steps: int = 0
     summed: int = 0
     rope: list = field(default_factory=list)
-
-
-class CHESSLayer(KVLayer):
-    """A layer whose whole KV stays in a store; attention reads a working context gathered from it.
-
-    `store_keys` / `store_values` `(batch, kv_heads, capacity, head_dim)` hold every token at its slot (slot =
-    index in the left-padded sequence), written in place as tokens arrive. `keys` / `values` (what attention
-    reads) are the whole store until the first selection, then the working context: the gathered pages,
-    to which each new token is appended until the context is rebuilt.
-    """
-
-    def __init__(self, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.store_keys = self.store_values = None
-        self.version = 0  # of the working context it holds
-
-    def update(self, key_states, value_states, *args, valid=None, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, q = self.logical_len, key_states.shape[-2]
-        self._write(key_states, value_states, start)
-        if self.compressed:  # a working context: append to it
-            return super().update(key_states, value_states, valid=valid)
-        # No selection yet: attention reads the store itself (views, no copy).
-        valid = torch.ones(key_states.shape[0], q, dtype=torch.bool, device=self.device) if valid is None else valid
-        self.all_valid = self.all_valid and bool(valid.all())
-        self.logical_len = end = start + q
-        b, h = key_states.shape[:2]
-        self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
-        self.positions = torch.arange(end, device=self.device).expand(b, h, end)
-        self.valid = torch.cat([self.valid, valid.to(self.device, torch.bool)], dim=-1)
-        return self.keys, self.values
-
-    def _write(self, keys, values, start):
-        end = start + keys.shape[-2]
-        if self.store_keys is None or end > self.store_keys.shape[-2]:
-            # The prompt and 256 more; then grow by an eighth: a few copies over a long generation, little room.
-            capacity = end + (256 if self.store_keys is None else max(256, end // 8))
-            b, h, _, d = keys.shape
-            grown_keys, grown_values = keys.new_empty(b, h, capacity, d), values.new_empty(b, h, capacity, d)
-            if self.store_keys is not None:
-                grown_keys[:, :, :start], grown_values[:, :, :start] = self.store_keys[:, :, :start], \
-                    self.store_values[:, :, :start]
-            self.store_keys, self.store_values = grown_keys, grown_values
-        self.store_keys[:, :, start:end] = keys
-        self.store_values[:, :, start:end] = values
-
-    def gather(self, slots: torch.Tensor, valid: torch.Tensor, version: int) -> None:
-        """Make the working context the store slots `slots` `(batch, n)` (the same for every KV head)."""
-        b, h, _, d = self.store_keys.shape
-        index = slots[:, None, :, None].expand(b, h, -1, d)
-        self.keys = self.store_keys.gather(2, index)
-        self.values = self.store_values.gather(2, index)
-        self.positions = slots[:, None, :].expand(b, h, -1).clone()
-        self.valid = valid
-        self.all_valid = bool(valid.all())
-        self.compressed = True
-        self.version = version
-
-    def reset(self):
-        self.__init__(self.layer_idx)
-
-    def resident_slots(self):
-        return self.logical_len  # the store holds every token
-
-    def viewing_store(self) -> bool:
-        return self.keys.data_ptr() == self.store_keys.data_ptr()  # no selection yet: views, no copy
-
-    def kv_tensors(self):
-        working = [] if self.viewing_store() else [self.keys, self.values]
-        return working + [self.store_keys, self.store_values]
-
-    def held_tensors(self):
-        if not self.is_initialized:
-            return []
-        if self.viewing_store():  # positions are an expanded arange: nothing held
-            return [self.store_keys, self.store_values, self.valid]
-        return super().held_tensors() + [self.store_keys, self.store_values]
+    last_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(kw_only=True)
@@ -207,6 +129,7 @@ class CHESSPress(Press):
     varentropy_threshold: float = 12.4
     pre_rope: bool = True
     centre: bool = True
+    selects_before_attention: ClassVar[bool] = True
 
     def __post_init__(self):
         name = type(self).__name__
@@ -216,68 +139,75 @@ class CHESSPress(Press):
                              f"rho_p) or ratio (fraction of pages selected, 0 < ratio <= 1); budget is not "
                              f"supported (CHESS budgets are nested ratios); got {given or 'none'}"
                              f"{', budget' if self.budget is not None else ''}.")
-        if self.preset is not None:
-            if self.preset not in PRESETS:
-                raise ValueError(f"{name}: preset must be one of {', '.join(PRESETS)}; got {self.preset!r}.")
-            self.ratios = PRESETS[self.preset]
-        elif self.ratio is not None:
-            if not (isinstance(self.ratio, (int, float)) and 0 < self.ratio <= 1):
-                raise ValueError(f"{name}: ratio must be in (0, 1] (fraction of pages selected); got {self.ratio!r}.")
-            self.ratios = (self.ratio ** (1 / 3),) * 3
-        ratios = tuple(self.ratios) if isinstance(self.ratios, (tuple, list)) else ()
-        if len(ratios) != 3 or not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
-            raise ValueError(f"{name}: ratios must be three fractions (rho_g, rho_c, rho_p), each in (0, 1]; "
-                             f"got {self.ratios!r}.")
-        self.ratios = ratios
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"{name}: preset must be one of {', '.join(PRESETS)}; got {self.preset!r}.")
+        if self.ratio is not None:
+            self.ratio = check_number(name, "ratio", self.ratio, low=0, high=1, low_open=True,
+                                      unit="fraction of pages selected")
+        if self.ratios is not None:
+            if not (isinstance(self.ratios, (tuple, list)) and len(self.ratios) == 3):
+                raise ValueError(f"{name}: ratios must be three fractions (rho_g, rho_c, rho_p), each in (0, 1]; "
+                                 f"got {self.ratios!r}.")
+            self.ratios = tuple(check_number(name, f"ratios[{i}]", r, low=0, high=1, low_open=True)
+                                for i, r in enumerate(self.ratios))
         for key, low in (("page_size", 1), ("chunk_pages", 1), ("grid_chunks", 1), ("sink_pages", 0),
                          ("window_pages", 1)):
-            value = getattr(self, key)
-            if not (isinstance(value, int) and value >= low):
-                raise ValueError(f"{name}: {key} must be an integer >= {low}; got {value!r}.")
+            setattr(self, key, check_number(name, key, getattr(self, key), integer=True, low=low))
         for key in ("pre_rope", "centre"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{name}: {key} must be True or False; got {getattr(self, key)!r}.")
         if self.reselect not in RESELECT:
             raise ValueError(f"{name}: reselect must be one of {', '.join(RESELECT)}; got {self.reselect!r}.")
-        if self.reselect_every is not None and not (isinstance(self.reselect_every, int) and self.reselect_every >= 1):
-            raise ValueError(f"{name}: reselect_every must be an integer >= 1 (decoding steps); got "
-                             f"{self.reselect_every!r}.")
-        for key in ("entropy_threshold", "varentropy_threshold"):
-            if not (isinstance(getattr(self, key), (int, float)) and getattr(self, key) >= 0):
-                raise ValueError(f"{name}: {key} must be a number >= 0; got {getattr(self, key)!r}.")
+        if self.reselect_every is not None:
+            self.reselect_every = check_number(name, "reselect_every", self.reselect_every, integer=True, low=1,
+                                               unit="decoding steps")
+        for key, unit in (("entropy_threshold", "nats"), ("varentropy_threshold", "nats^2")):
+            setattr(self, key, check_number(name, key, getattr(self, key), low=0, unit=unit))
+
+    @property
+    def retention(self) -> tuple[float, float, float]:
+        """(rho_g, rho_c, rho_p): from `preset` (Table 1), `ratios`, or `ratio` split evenly over the levels."""
+        if self.preset is not None:
+            return PRESETS[self.preset]
+        if self.ratios is not None:
+            return self.ratios
+        return (self.ratio ** (1 / 3),) * 3
 
     def new_layer(self, layer_idx):
-        return CHESSLayer(layer_idx)
+        return StoreLayer(records_tokens=True)  # every token stays in the store; attention reads a working set
 
     def new_state(self, cache):
-        ranks = [i for i, layer in enumerate(cache.layers) if isinstance(layer, CHESSLayer)]
+        ranks = [i for i, layer in enumerate(cache.layers) if isinstance(layer, StoreLayer)]
         return CHESSState(columns={i: r for r, i in enumerate(ranks)})
 
     # --- page vectors (eq. 1), brought up to date ----------------------------------------------------------------
     def compress(self, cache, layer, call):
-        self._accumulate(cache, layer, 0, call.position_embeddings)
+        self._accumulate(cache, layer, call.module.layer_idx, 0, call.position_embeddings)
         cache.state.summed = layer.logical_len
+        cache.state.last_rope = call.position_embeddings
 
     def after_step(self, cache, layer, call):
         state = cache.state
-        if self.pre_rope and state.columns[layer.layer_idx] == 0:  # every compressed layer shares the rotary table
+        if self.pre_rope and state.columns[call.module.layer_idx] == 0:  # every compressed layer shares the rotary table
             state.rope.append(call.position_embeddings)
+            state.last_rope = call.position_embeddings
 
     def _catch_up(self, cache):
         """Add the keys decoded since the last selection to their pages' sums, every layer."""
         state = cache.state
-        layers = [layer for layer in cache.layers if isinstance(layer, CHESSLayer)]
-        if layers[0].logical_len == state.summed:
+        layers = {i: cache.layers[i] for i in state.columns}
+        end = next(iter(layers.values())).logical_len
+        if end == state.summed:
             return
         rope = tuple(torch.cat(parts, dim=1) for parts in zip(*state.rope)) if self.pre_rope else None
-        for layer in layers:
-            self._accumulate(cache, layer, state.summed, rope)
-        state.summed, state.rope = layers[0].logical_len, []
+        for i, layer in layers.items():
+            self._accumulate(cache, layer, i, state.summed, rope)
+        state.summed, state.rope = end, []
 
-    def _accumulate(self, cache, layer, start, rope):
-        """Add the keys of store slots `start:` of this layer (RoPE undone with `rope` = their (cos, sin)) to
-        their pages' sums."""
-        state, end = cache.state, layer.logical_len
+    def _accumulate(self, cache, layer, layer_idx, start, rope, end=None, sign=1.0):
+        """Add (`sign` -1: take back) the keys of store slots `start:end` of this layer (RoPE undone with `rope` =
+        their (cos, sin)) to their pages' sums; `end` defaults to every token seen."""
+        state, end = cache.state, layer.logical_len if end is None else end
         b, h, _, d = layer.store_keys.shape
         first = cache.prompt_start.to(layer.device)[:, None]
         pages = -(-(end - int(first.min())) // self.page_size)
@@ -292,18 +222,43 @@ class CHESSPress(Press):
         if self.pre_rope:
             keys = rotate(keys, rope, inverse=True)
         keys = keys.permute(0, 2, 1, 3).reshape(b, end - start, h * d).float()
-        keys = keys * (page >= 0)[..., None]
-        column = state.columns[layer.layer_idx] * h * d
+        keys = keys * ((page >= 0)[..., None] * sign)
+        column = state.columns[layer_idx] * h * d
         state.page_sums[:, :, column: column + h * d].scatter_add_(
             1, page.clamp(min=0)[..., None].expand(-1, -1, h * d), keys)
 
+    def crop(self, cache, length):
+        """A rejected draft: take its keys back out of the page sums if a selection summed them, forget their
+        RoPE, and rebuild a working context planned with them."""
+        state = cache.state
+        if state.page_sums is None:
+            return
+        end = cache.layers[next(iter(state.columns))].logical_len
+        if state.summed > length:
+            rope = None
+            if self.pre_rope:
+                first = end - state.last_rope[0].shape[1]  # the last forward's first position
+                if length < first:
+                    raise ValueError(f"CHESSPress: can only crop the last forward's tokens (from {first}); "
+                                     f"asked to crop from {length}.")
+                rope = tuple(t[:, length - first: state.summed - first] for t in state.last_rope)
+            for i in state.columns:
+                self._accumulate(cache, cache.layers[i], i, length, rope, end=state.summed, sign=-1.0)
+            state.summed, state.rope = length, []
+        elif state.rope:
+            cos, sin = (torch.cat(parts, dim=1) for parts in zip(*state.rope))
+            state.rope = [(cos[:, : length - state.summed], sin[:, : length - state.summed])]
+        if state.plan is not None:
+            start = cache.prompt_start.to(state.plan[0].device)
+            state.plan = self.working_context(state.selected, length - start, start)
+
     # --- selection (Algorithm 1) and the working context ---------------------------------------------------------
-    def on_logits(self, cache, logits):
+    def end_forward(self, cache, logits):
         state = cache.state
         if state.page_sums is None:
             return
         start = time.perf_counter()
-        layer = next(layer for layer in cache.layers if isinstance(layer, CHESSLayer))
+        layer = cache.layers[next(iter(state.columns))]
         lengths = layer.logical_len - cache.prompt_start.to(layer.device)  # real tokens per row
         complete = lengths.div(self.page_size, rounding_mode="floor")
         if state.selected is None:
@@ -318,9 +273,8 @@ class CHESSPress(Press):
                 trigger[:, None], fresh, pad_pages(state.selected, fresh.shape[1]))
             cache.counts["selections"] += int(trigger.sum())
         if bool(trigger.any()) or not torch.equal(complete, state.built_at):
-            state.slots, state.valid = self.working_context(state.selected, lengths, cache.prompt_start)
+            state.plan = self.working_context(state.selected, lengths, cache.prompt_start)
             state.built_at = complete
-            state.version += 1
             cache.counts["rebuilds"] += 1
         cache.seconds["select"] += time.perf_counter() - start
 
@@ -372,7 +326,7 @@ class CHESSPress(Press):
         n_grids, n_chunks = grids.shape[1], chunks.shape[1]
         scores = (torch.cat([grids, chunks, vectors], dim=1) @ anchor[:, :, None])[..., 0]  # eq. 4: one GEMM
         s_grid, s_chunk, s_page = scores.split([n_grids, n_chunks, n_pages], dim=1)
-        rho_g, rho_c, rho_p = self.ratios
+        rho_g, rho_c, rho_p = self.retention
         keep_grid = top_fraction(s_grid, grid_in, rho_g)
         active = keep_grid.repeat_interleave(self.grid_chunks, dim=1) & chunk_in
         keep_chunk = top_fraction(s_chunk, active, rho_c)
@@ -394,11 +348,13 @@ class CHESSPress(Press):
         slots = (offsets + prompt_start.to(offsets.device)[:, None]).where(valid, 0)
         return slots, valid
 
+    def begin_forward(self, cache, forward):
+        forward.plan, cache.state.plan = cache.state.plan, None  # a new working context for every layer
+
     def before_attention(self, cache, layer, call):
-        state = cache.state
-        if state.slots is not None and layer.version != state.version:
+        if cache.forward.plan is not None:
             start = time.perf_counter()
-            layer.gather(state.slots, state.valid, state.version)
+            layer.gather(*cache.forward.plan)
             cache.seconds["gather"] += time.perf_counter() - start
 
     # --- calibration (sec. 3.3) ------------------------------------------------------------------------------

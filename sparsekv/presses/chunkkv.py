@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVLayer
+from ..press import check_number
+from ..state import RowState
 from .snapkv import SnapKVPress
 
 
 @dataclass
-class ChunkState:
+class ChunkState(RowState):
     """Per generation: each compressed layer's group leader, and the leader's selection for its group."""
 
     leader: dict[int, int]  # layer index -> index of the first layer of its reuse group
@@ -53,10 +55,9 @@ class ChunkPress(SnapKVPress):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("chunk_size", "reuse_layers"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"ChunkPress: {name} must be an integer >= 1; got {value!r}.")
+        self.chunk_size = check_number("ChunkPress", "chunk_size", self.chunk_size, integer=True, low=1, unit="tokens")
+        self.reuse_layers = check_number("ChunkPress", "reuse_layers", self.reuse_layers, integer=True, low=1,
+                                         unit="layers")
 
     def new_state(self, cache) -> ChunkState:
         compressed = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..press import Press
+from ..press import Press, check_number
 
 
 @dataclass(kw_only=True)
@@ -31,13 +32,14 @@ class H2OPress(Press):
 
     recent_ratio: float = 0.5
     block_size: int = 256
+    reads_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row (sdpa, flash)
 
     def __post_init__(self):
         super().__post_init__()
-        if not (isinstance(self.recent_ratio, (int, float)) and 0 <= self.recent_ratio <= 1):
-            raise ValueError(f"H2OPress: recent_ratio must be in [0, 1]; got {self.recent_ratio!r}.")
-        if not (isinstance(self.block_size, int) and self.block_size >= 1):
-            raise ValueError(f"H2OPress: block_size must be an integer >= 1; got {self.block_size!r}.")
+        self.recent_ratio = check_number("H2OPress", "recent_ratio", self.recent_ratio, low=0, high=1,
+                                         unit="share of the budget")
+        self.block_size = check_number("H2OPress", "block_size", self.block_size, integer=True, low=1,
+                                       unit="queries")
 
     def heavy_scores(self, cache, layer) -> torch.Tensor:
         """Normalised received attention; the row's most recent tokens score +inf (always kept)."""
@@ -67,10 +69,6 @@ class H2OPress(Press):
             end = min(start + self.block_size, n)
             received[..., :end] += call.prefill_probs(layer.keys, start, end).sum(dim=(2, 3))
         return received
-
-    @property
-    def reads_step_queries(self) -> bool:
-        return True  # `after_step` recomputes the step's attention row (sdpa, flash): from its own queries
 
     def after_step(self, cache, layer, call):
         if not layer.compressed:

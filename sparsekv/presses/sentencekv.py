@@ -4,55 +4,46 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..attention import rotate
-from ..cache import KVLayer
+from ..cache import StoreLayer
+from ..press import check_number
+from ..state import RowState
 from ..segment import closes_sentence, sentence_ids
 from .snapkv import SnapKVPress
 
 
 @dataclass
-class SentenceState:
-    """Per generation: each prompt token's sentence, and which rows' last input token ended a sentence."""
+class SentenceState(RowState):
+    """Per generation: each prompt token's sentence."""
 
     sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
-    closing: torch.Tensor | None = None  # (batch,), None when no row's last token ended a sentence (prompt too)
+    step_ids: torch.Tensor | None = None  # (batch, q) the last forward's tokens, for `crop`
 
 
-class SentenceLayer(KVLayer):
-    """A layer whose prompt lives in an offload store, attended sentence by sentence.
+@dataclass
+class SentenceLayerState(RowState):
+    """Per layer: the sentence vectors, the mean query, and which store slots are loaded where.
 
-    Device slots: `[loaded | sinks + recent window + generated tokens]`; the first `loaded` slots hold the
-    selected store tokens in no particular order (a row's `fill` real ones, then fillers), and only tokens that
-    enter the selection are copied in. The store (`store_keys` / `store_values`,
-    `(batch, kv_heads, R, head_dim)`) is on `offload_device`; sentence vectors and bookkeeping stay on device.
+    The layer's working set is `[loaded | sinks + recent window + generated tokens]`: its first `loaded` slots
+    hold selected store tokens in no particular order (a row's `fill` real ones, then fillers); only tokens
+    that enter the selection are copied in.
     """
 
-    def __init__(self, offload_device: str):
-        super().__init__()
-        self.offload_device = torch.device(offload_device)
-        self.loaded = 0  # slots of the loaded region
-        self.store_keys = self.store_values = None
-        self.store_positions: torch.Tensor | None = None  # (batch, R)
-        self.sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
-        self.query_sum: torch.Tensor | None = None  # (batch, kv_heads, head_dim): the sentence being generated
-        self.resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
-        self.device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
-        self.fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
-        self.slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
-        self.slot_room: torch.Tensor | None = None  # (batch, 1, R) see `loading_room`
-        self.sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
-
-    def offloaded_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.store_keys, self.store_values) if t is not None]
-
-    def held_tensors(self) -> list[torch.Tensor]:
-        sentence = None if self.slot_sentence is None else self.slot_sentence[:, 0]  # expanded: one head's storage
-        extra = [self.store_positions, sentence, self.sentence_keys, self.query_sum, self.resident, self.device_slot]
-        return super().held_tensors() + self.offloaded_tensors() + [t for t in extra if t is not None]
+    loaded: int = 0  # slots of the loaded region
+    sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
+    query_sum: torch.Tensor | None = None  # (batch, kv_heads, head_dim): the sentence being generated
+    resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
+    device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
+    fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
+    slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
+    slot_room: torch.Tensor | None = None  # (batch, 1, R) see `loading_room`
+    sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
+    step_queries: torch.Tensor | None = None  # (batch, kv_heads, q, head_dim) the last forward's, for `crop`
+    before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
 
 
 @dataclass(kw_only=True)
@@ -110,18 +101,18 @@ class SentencePress(SnapKVPress):
     max_sentence_tokens: int = 128
     prompt_sentence: bool = True
     centre: bool = True
+    reads_input_ids: ClassVar[bool] = True
+    reads_step_queries: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.tokenizer is None:
             raise ValueError("SentencePress: tokenizer is required (the model's tokenizer, to find the prompt's "
                              "sentences): SentencePress(tokenizer, budget=1024).")
-        if not (isinstance(self.keep_factor, (int, float)) and self.keep_factor >= 1):
-            raise ValueError(f"SentencePress: keep_factor must be a number >= 1 (r); got {self.keep_factor!r}.")
-        for name in ("n_sinks", "max_sentence_tokens"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= (0 if name == "n_sinks" else 1)):
-                raise ValueError(f"SentencePress: {name} must be an integer >= {0 if name == 'n_sinks' else 1}; "
-                                 f"got {value!r}.")
+        self.keep_factor = check_number("SentencePress", "keep_factor", self.keep_factor, low=1,
+                                        unit="r, stored tokens per token of tau")
+        self.n_sinks = check_number("SentencePress", "n_sinks", self.n_sinks, integer=True, low=0, unit="tokens")
+        self.max_sentence_tokens = check_number("SentencePress", "max_sentence_tokens", self.max_sentence_tokens,
+                                                integer=True, low=1, unit="tokens")
         for name in ("prompt_sentence", "centre"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SentencePress: {name} must be True or False; got {getattr(self, name)!r}.")
@@ -136,26 +127,28 @@ class SentencePress(SnapKVPress):
         return 1, "1 loaded token"
 
     def new_layer(self, layer_idx):
-        return SentenceLayer(self.offload_device)
+        return StoreLayer(self.offload_device, state=SentenceLayerState())
 
     def new_state(self, cache):
         return SentenceState()
 
-    def before_forward(self, cache, input_ids):
-        if input_ids is None:
-            raise ValueError("SentencePress: needs input_ids (sentences are read from the tokens), not inputs_embeds.")
+    def begin_forward(self, cache, forward):
         if cache.state.sentences is None:  # the prompt
-            cache.state.sentences = sentence_ids(self.tokenizer, input_ids, cache.input_valid,
+            cache.state.sentences = sentence_ids(self.tokenizer, forward.input_ids, forward.input_valid,
                                                  self.max_sentence_tokens)
-        closing = closes_sentence(self.tokenizer, input_ids[:, -1])  # left padding: every row's last token
-        cache.state.closing = closing if bool(closing.any()) else None  # None: no layer has work to do
+        # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
+        cache.state.step_ids = forward.input_ids
+        closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])
+        forward.plan = closing if bool(closing.any()) else None  # None: no layer has work to do
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache, layer, call):
         taus = self.row_budgets(cache, *self.min_kept())
         fixed = self.n_sinks + self.window_size
         if int(cache.prompt_lengths.min()) <= fixed:
-            raise ValueError(f"SentencePress: the prompt ({int(cache.prompt_lengths.min())} tokens) must be longer "
+            row = int(cache.prompt_lengths.argmin())
+            prompt = f"row {row}'s prompt" if len(cache.prompt_lengths) > 1 else "the prompt"
+            raise ValueError(f"SentencePress: {prompt} ({int(cache.prompt_lengths[row])} tokens) must be longer "
                              f"than n_sinks={self.n_sinks} + window_size={self.window_size}, which are always "
                              f"attended; use a longer prompt or smaller n_sinks / window_size.")
         if bool((taus + fixed >= cache.prompt_lengths).all()):  # every prompt token would be attended anyway
@@ -178,17 +171,17 @@ class SentencePress(SnapKVPress):
         self._fill_store(layer, store, in_store, cache.state.sentences.to(device), shared)
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
-        layer.loaded = int(taus.max())
-        layer.fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]
-        real = torch.arange(layer.loaded, device=device) < layer.fill[:, 0]  # (b, loaded)
+        layer.state.loaded = int(taus.max())
+        layer.state.fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]
+        real = torch.arange(layer.state.loaded, device=device) < layer.state.fill[:, 0]  # (b, loaded)
         keep = resident.nonzero()[:, 1].view(b, -1)  # every row has exactly n_sinks + window_size resident
-        slots = torch.cat([keep.new_zeros(b, layer.loaded), keep], dim=1)[:, None].expand(b, h, -1)
+        slots = torch.cat([keep.new_zeros(b, layer.state.loaded), keep], dim=1)[:, None].expand(b, h, -1)
         layer.select(slots, torch.cat([real, valid.gather(1, keep)], dim=1))
-        layer.query_sum = torch.zeros(b, h, layer.keys.shape[-1], device=device, dtype=torch.float32)
+        layer.state.query_sum = torch.zeros(b, h, layer.keys.shape[-1], device=device, dtype=torch.float32)
         if self.prompt_sentence:
             self._seed_queries(cache, layer, call)
-        layer.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
-        layer.slot_room = loading_room(layer.slot_sentence[:, :1], layer.sentence_sizes, layer.fill)
+        layer.state.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
+        layer.state.slot_room = loading_room(layer.state.slot_sentence[:, :1], layer.state.sentence_sizes, layer.state.fill)
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
         self._load(layer, self._chosen(layer))
 
@@ -230,28 +223,24 @@ class SentencePress(SnapKVPress):
         weight = in_store.float()[:, None, :, None]
         sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, (keys.float() - shared) * weight)
         counts = weight.new_zeros(b, n_sentences).scatter_add_(1, bucket, in_store.float())
-        layer.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
-        layer.sentence_sizes = counts.long()[:, None]  # (b, 1, S) stored tokens of each sentence
-        layer.slot_sentence = bucket[:, None].expand(b, h, -1)
-        pin = layer.offload_device.type == "cpu" and keys.is_cuda
-        layer.store_keys, layer.store_values = (t.to(layer.offload_device) for t in (keys, values))
-        if pin:
-            layer.store_keys, layer.store_values = layer.store_keys.pin_memory(), layer.store_values.pin_memory()
-        layer.store_positions = store
+        layer.state.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
+        layer.state.sentence_sizes = counts.long()[:, None]  # (b, 1, S) stored tokens of each sentence
+        layer.state.slot_sentence = bucket[:, None].expand(b, h, -1)
+        layer.fill_store(keys, values, store)
 
     @staticmethod
     def _seed_queries(cache, layer, call):
         """Start each row's sentence query sum (eq. 2) with the queries of its prompt's last sentence when the
         prompt ends inside that sentence: the sentence being generated began in the prompt."""
-        closing = cache.state.closing
-        sentences = cache.state.sentences.to(layer.query_sum.device)
+        closing = cache.forward.plan
+        sentences = cache.state.sentences.to(layer.state.query_sum.device)
         last = sentences == sentences[:, -1:]  # left padding: the last column is every row's last real token
         if closing is not None:
             last &= ~closing.to(last.device)[:, None]
         if not bool(last.any()):
             return
         start = int(last.long().argmax(dim=1).where(last.any(dim=1), last.shape[1]).min())
-        layer.query_sum += (call.queries(start, grouped=True).float() * last[:, None, start:, None]).sum(dim=2)
+        layer.state.query_sum += (call.queries(start, grouped=True).float() * last[:, None, start:, None]).sum(dim=2)
 
     # --- decoding --------------------------------------------------------------------------------------------
     def on_queries(self, cache, layer, call):
@@ -261,7 +250,8 @@ class SentencePress(SnapKVPress):
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if call.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
-        layer.query_sum += queries[:, :, 0] if queries.shape[2] == 1 else queries.sum(dim=2)  # one token: a view
+        layer.state.query_sum += queries[:, :, 0] if queries.shape[2] == 1 else queries.sum(dim=2)  # one token: a view
+        layer.state.step_queries, layer.state.before_reset = queries, None  # kept for `crop`, no copy
         chosen = self._chosen(layer)
         cache.seconds["select"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -275,7 +265,7 @@ class SentencePress(SnapKVPress):
     def similarity(layer) -> torch.Tensor:
         """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector."""
         # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
-        return (layer.query_sum[:, :, None] @ layer.sentence_keys.transpose(-1, -2))[:, :, 0]
+        return (layer.state.query_sum[:, :, None] @ layer.state.sentence_keys.transpose(-1, -2))[:, :, 0]
 
     @classmethod
     def _chosen(cls, layer) -> torch.Tensor:
@@ -284,9 +274,9 @@ class SentencePress(SnapKVPress):
         # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
         # sentences, then a per-slot test against a bound fixed at prefill, never a sort over stored tokens.
         ranked = similarity.argsort(dim=-1, descending=True, stable=True)
-        through = layer.sentence_sizes.expand_as(ranked).gather(-1, ranked).cumsum(-1)
+        through = layer.state.sentence_sizes.expand_as(ranked).gather(-1, ranked).cumsum(-1)
         through = torch.empty_like(through).scatter_(-1, ranked, through)  # back in sentence order
-        return through.gather(-1, layer.slot_sentence) < layer.slot_room
+        return through.gather(-1, layer.state.slot_sentence) < layer.state.slot_room
 
     @staticmethod
     def _load(layer, chosen) -> int:
@@ -297,28 +287,43 @@ class SentencePress(SnapKVPress):
         per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
         not care about slot order (keys carry their RoPE), so the loaded region needs none.
         """
-        if layer.resident is None:  # at compress: the region is free, chosen slots fill it from the front
+        if layer.state.resident is None:  # at compress: the region is free, chosen slots fill it from the front
             enter = chosen
             target = (chosen.cumsum(-1) - 1)[chosen]
         else:
-            enter = chosen > layer.resident  # chosen, not resident
-            target = layer.device_slot[layer.resident > chosen]  # the slots of those that leave
-        row, head, slot = at = enter.nonzero().unbind(-1)
-        layer.resident = chosen
+            enter = chosen > layer.state.resident  # chosen, not resident
+            target = layer.state.device_slot[layer.state.resident > chosen]  # the slots of those that leave
+        row, head, slot = enter.nonzero().unbind(-1)
+        layer.state.resident = chosen
         if slot.numel() == 0:  # the selection did not change: everything is resident already
             return 0
-        if layer.store_keys.device != chosen.device:
-            at = tuple(i.to(layer.store_keys.device) for i in at)
-        layer.keys[row, head, target] = layer.store_keys[at].to(layer.keys.device, non_blocking=True)
-        layer.values[row, head, target] = layer.store_values[at].to(layer.values.device, non_blocking=True)
-        layer.positions[row, head, target] = layer.store_positions[row, slot]
-        layer.device_slot[row, head, slot] = target
+        layer.load(row, head, slot, target)
+        layer.state.device_slot[row, head, slot] = target
         return slot.numel()
 
     def after_step(self, cache, layer, call):
-        closing = cache.state.closing
-        if layer.query_sum is not None and closing is not None:
-            layer.query_sum[closing.to(layer.query_sum.device)] = 0.0  # a new sentence starts
+        closing, state = cache.forward.plan, layer.state
+        if state.query_sum is not None and closing is not None:
+            state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
+            state.query_sum[closing.to(state.query_sum.device)] = 0.0  # a new sentence starts
+
+    def crop(self, cache, length):
+        """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept
+        token decides whether a sentence ends instead."""
+        ids = cache.state.step_ids  # the last forward's tokens
+        for layer in cache.compressed_layers():
+            state = layer.state
+            if state.step_queries is None:
+                continue
+            q, removed = state.step_queries.shape[2], layer.logical_len - length
+            if removed > q:
+                raise ValueError(f"SentencePress: can only crop the last forward's {q} tokens; asked for {removed}.")
+            total = state.query_sum if state.before_reset is None else state.before_reset
+            state.query_sum = total - state.step_queries[:, :, q - removed:].sum(dim=2)
+            if removed < q:  # the forward's last kept token may end a sentence
+                ends = closes_sentence(self.tokenizer, ids[:, q - removed - 1]).to(state.query_sum.device)
+                state.query_sum[ends] = 0.0
+            state.step_queries = state.before_reset = None
 
 
 def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..press import ScorerPress
+from ..press import ScorerPress, check_number
 
 
 @dataclass(kw_only=True)
@@ -32,12 +32,14 @@ class SnapKVPress(ScorerPress):
 
     def __post_init__(self):
         super().__post_init__()
-        if not (isinstance(self.window_size, int) and self.window_size >= 1):
-            raise ValueError(f"SnapKVPress: window_size must be an integer >= 1 (tokens); got {self.window_size!r}.")
-        if not (isinstance(self.kernel_size, int) and self.kernel_size >= 1 and self.kernel_size % 2 == 1):
-            raise ValueError(f"SnapKVPress: kernel_size must be an odd integer >= 1; got {self.kernel_size!r}.")
+        name = type(self).__name__
+        self.window_size = check_number(name, "window_size", self.window_size, integer=True, low=1, unit="tokens")
+        self.kernel_size = check_number(name, "kernel_size", self.kernel_size, integer=True, low=1, unit="tokens")
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"{name}: kernel_size must be an odd integer >= 1 (a centred pooling window); got "
+                             f"{self.kernel_size}.")
         if self.pooling not in ("max", "avg"):
-            raise ValueError(f"SnapKVPress: pooling must be 'max' or 'avg'; got {self.pooling!r}.")
+            raise ValueError(f"{name}: pooling must be 'max' or 'avg'; got {self.pooling!r}.")
         minimum, what = self.min_kept()
         if self.budget is not None and self.budget < minimum:
             raise ValueError(f"{type(self).__name__}: budget={self.budget} must be at least {what} (kept within "

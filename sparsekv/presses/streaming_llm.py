@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..press import Press
+from ..press import Press, check_number
 
 
 @dataclass(kw_only=True)
@@ -27,8 +27,7 @@ class StreamingLLMPress(Press):
 
     def __post_init__(self):
         super().__post_init__()
-        if not (isinstance(self.n_sinks, int) and self.n_sinks >= 0):
-            raise ValueError(f"StreamingLLMPress: n_sinks must be an integer >= 0; got {self.n_sinks!r}.")
+        self.n_sinks = check_number("StreamingLLMPress", "n_sinks", self.n_sinks, integer=True, low=0, unit="tokens")
         if self.budget is not None and self.budget <= self.n_sinks:
             raise ValueError(f"StreamingLLMPress: budget={self.budget} must exceed n_sinks={self.n_sinks}.")
 

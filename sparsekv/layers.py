@@ -1,0 +1,386 @@
+"""Cache layers: what one attention layer holds for one generation.
+
+A `KVLayer` stores, per KV head, the slots it keeps (any subset of the tokens seen, in any order), with each
+slot's absolute position and whether it is a real token. It reports the *logical* length (every token seen) to
+transformers, so new tokens keep their absolute RoPE positions, and its *physical* size for masks.
+
+A `StoreLayer` keeps KV in a store (on any device) besides the working set attention reads, gathered or loaded
+from it: CHESS keeps every token there and gathers pages, SentenceKV offloads the prompt and loads sentences.
+
+Both are `RowState`s: every tensor they hold is batch-first, so reordering, batch selection and accounting are
+generic (`sparsekv.state`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .state import RowState
+
+# Free slots added when a layer's buffers are full: decoding copies its KV once every GROW steps (a page of CHESS).
+GROW = 32
+
+
+class KVLayer(RowState, CacheLayerMixin):
+    """One attention layer's resident KV.
+
+    Attributes:
+        keys, values: `(batch, kv_heads, slots, head_dim)`, already rotated (RoPE applied at their positions).
+        positions: `(batch, kv_heads, slots)` absolute index of each slot in the (left-padded) input sequence.
+        valid: `(batch, slots)` False for slots that hold no real token (padding); never attended. Validity is
+            shared by the heads of a row: every head of a row keeps the same number of real tokens.
+        extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
+            `keep` / `evict` / `crop` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
+        state: the press's own state for this layer (`Press.layer_state`), a `RowState` or None.
+        logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
+        compressed: True once the physical layout differs from the logical one.
+
+    The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
+    them with new tensors (`select`) or write into them in place, never keep views of them across steps.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True  # the tokens of the last forward can be removed (`crop`)
+
+    def __init__(self, state: Any = None):
+        super().__init__()
+        self.positions: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.extra: dict[str, torch.Tensor] = {}
+        self.state = state
+        self.logical_len = 0
+        self.compressed = False
+        self.all_valid = True  # no filler or padding slot: decoding needs no mask
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty tensors of the first forward's dtype, device, batch and heads."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_empty(b, h, 0, d)
+        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+        self.valid = torch.empty(b, 0, dtype=torch.bool, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, valid: torch.Tensor | None = None, **kwargs):
+        """Append new tokens (all real unless `valid` `(batch, new)` says otherwise); return what is attended."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q, _ = key_states.shape
+        new_pos = torch.arange(self.logical_len, self.logical_len + q, device=self.device)
+        valid = self._new_valid(valid, b, q)
+        self._append("keys", key_states)
+        self._append("values", value_states)
+        self._append("positions", new_pos.expand(b, h, q))
+        self._append("valid", valid)
+        for name in self.extra:
+            self._append(name, self.extra[name].new_zeros(b, h, q), self.extra)
+        self.logical_len += q
+        return self.keys, self.values
+
+    def _new_valid(self, valid: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
+        if valid is None:
+            return torch.ones(b, q, dtype=torch.bool, device=self.device)
+        valid = valid.to(self.device, torch.bool)
+        self.all_valid = self.all_valid and bool(valid.all())
+        return valid
+
+    def _append(self, name: str, new: torch.Tensor, where: dict | None = None) -> None:
+        """Append `new` along the slot dimension of the tensor `name` (an attribute, or a key of `where`).
+
+        New slots are written in place into the free room behind the tensor when it has some; else (prompt, or
+        after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
+        layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does).
+        """
+        current = where[name] if where is not None else getattr(self, name)
+        dim = slot_dim(current)
+        if new.requires_grad or current.requires_grad:  # a differentiable forward: no in-place writes
+            grown = torch.cat([current, new], dim=dim)
+        else:
+            with torch.no_grad():  # the buffer may be a view made by press work (under no_grad)
+                grown = append_in_place(current, new, dim)
+        if where is not None:
+            where[name] = grown
+        else:
+            setattr(self, name, grown)
+
+    # --- selection plumbing, used by presses -------------------------------------------------------------------
+    def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Keep, per row and head, the `budgets[row]` slots with the highest `scores` `(batch, heads, slots)`.
+
+        Slots scored `-inf` (padding) are never kept as real tokens. Rows with smaller budgets than the largest
+        get invalid filler slots, ordered first, so that validity stays shared by the heads of a row.
+        """
+        budgets = budgets.to(scores.device)
+        n_keep = int(budgets.max())
+        # A stable sort breaks ties (max-pooling makes plateaus) by position, the same with or without padding.
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_keep]
+        real = (torch.arange(n_keep, device=scores.device) < budgets[:, None])[:, None, :]
+        # Fillers first, then kept tokens by position: every head of a row gets the same validity layout.
+        pos = self.positions.gather(-1, top)
+        order = torch.where(real, pos, pos - self.logical_len - 1).argsort(dim=-1)
+        valid = torch.arange(n_keep, device=scores.device) >= (n_keep - budgets)[:, None]
+        self.select(top.gather(-1, order), valid)
+
+    def select(self, idx: torch.Tensor, valid: torch.Tensor) -> None:
+        """Keep the slots `idx` `(batch, heads, k)`; `valid` `(batch, k)` marks which of them are real tokens."""
+        gather = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
+        self.keys, self.values = gather(self.keys), gather(self.values)
+        self.positions = self.positions.gather(-1, idx)
+        self.extra = {name: t.gather(-1, idx) for name, t in self.extra.items()}
+        self.valid = valid
+        self.all_valid = bool(valid.all())
+        self.compressed = True
+
+    def evict(self, victim: torch.Tensor) -> None:
+        """Drop one slot per row and head (`victim` `(batch, heads)`): the last slot moves into its place.
+
+        Victims must be real tokens and the last slot a real (newly generated) token, so validity is unchanged.
+        """
+        last = self.keys.shape[-2] - 1
+        v = victim[..., None]
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            t.scatter_(2, v[..., None].expand(*v.shape, t.shape[-1]), t[:, :, last:])
+            setattr(self, name, t[:, :, :last])
+        self.positions = self.positions.scatter_(-1, v, self.positions[..., last:])[..., :last]
+        self.extra = {n: t.scatter_(-1, v, t[..., last:])[..., :last] for n, t in self.extra.items()}
+        self.valid = self.valid[:, :last]
+        self.compressed = True
+
+    # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        """Tokens seen (not held): new tokens get their absolute positions from it."""
+        return self.logical_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """`(kv_length, kv_offset)` of the mask: the physical slots held, then the new tokens."""
+        return self.slots + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise RuntimeError("sparsekv: reorder a SparseCache as a whole (`cache.reorder_cache`), not layer by layer.")
+
+    def reset(self) -> None:
+        raise RuntimeError("sparsekv: reset a SparseCache as a whole (`cache.reset()`), not layer by layer.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' form of `crop_to`: remove the last `-tokens_to_remove` tokens."""
+        self.crop_to(self.logical_len + min(tokens_to_remove, 0))
+
+    def crop_to(self, length: int) -> None:
+        """Forget the tokens at positions `length` and after (the last forward's, e.g. a rejected draft).
+
+        They must still be held by every head of every row (a press never evicts the tokens of the forward under
+        way, `Press.hold_budget`); the slots they held are removed, the others keep their order.
+        """
+        if not self.is_initialized or length >= self.logical_len:
+            return
+        drop = self.positions >= length
+        removed = self.logical_len - length
+        if bool((drop.sum(-1) != removed).any()):
+            raise ValueError(f"sparsekv: cannot crop the last {removed} tokens: some of them were evicted already; "
+                             "crop only the tokens of the last forward.")
+        kept = self.slots - removed
+        if not self.compressed:  # the logical layout: the dropped tokens are the last slots
+            self.keys, self.values = self.keys[:, :, :kept], self.values[:, :, :kept]
+            self.positions, self.valid = self.positions[..., :kept], self.valid[:, :kept]
+            self.extra = {n: t[..., :kept] for n, t in self.extra.items()}
+        else:
+            idx = (~drop).to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :kept]
+            self.select(idx, self.valid.gather(1, idx[:, 0]))
+        self.logical_len = length
+
+    # --- memory accounting ----------------------------------------------------------------------------------
+    def attended_tensors(self) -> list[torch.Tensor]:
+        """The keys and values attention reads, with their free room."""
+        return [allocated(self.keys), allocated(self.values)]
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """KV kept besides what attention reads (a store); none here."""
+        return []
+
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        """The stored KV that is offloaded (a store given its own device); none here."""
+        return []
+
+    def resident_slots(self) -> int:
+        """KV slots this layer holds on its device per sequence."""
+        return self.slots
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (KV and bookkeeping, the press's layer state included), each storage once."""
+        if not self.is_initialized:
+            return []
+        seen, held = set(), []
+        for t in self.tensors():
+            t = allocated(t)
+            key = (t.device, t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                held.append(t)
+        return held
+
+
+class StoreLayer(KVLayer):
+    """A layer whose KV lives in a store; attention reads a working set (`keys` / `values`) made from it.
+
+    Attributes:
+        store_keys, store_values: `(batch, kv_heads, R, head_dim)` on `store_device`.
+        store_positions: `(batch, R)` absolute position of each store slot.
+        store_device: where the store lives; None: the attention's device. A CPU store of a CUDA model is pinned,
+            so that loads can overlap compute.
+        records_tokens: every token seen is written to the store at its position (slot = position, the store
+            grows), and attention reads the store itself until a working set is selected (`gather`). False: the
+            store is filled once (`fill_store`) and new tokens go to the working set only.
+    """
+
+    def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False, state=None):
+        super().__init__(state)
+        self.store_device = None if store_device is None else torch.device(store_device)
+        self.records_tokens = records_tokens
+        self.store_keys = self.store_values = self.store_positions = None
+
+    def update(self, key_states, value_states, *args, valid=None, **kwargs):
+        if not self.records_tokens:
+            return super().update(key_states, value_states, valid=valid)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, (b, h, q, _) = self.logical_len, key_states.shape
+        self._record(key_states, value_states, start)
+        if self.compressed:  # a working set was gathered: new tokens join it
+            return super().update(key_states, value_states, valid=valid)
+        # No working set yet: attention reads the store itself (views, no copy).
+        self.valid = torch.cat([self.valid, self._new_valid(valid, b, q)], dim=-1)
+        self.logical_len = end = start + q
+        self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
+        self.positions = self.store_positions[:, None, :end].expand(b, h, end)
+        return self.keys, self.values
+
+    def _record(self, keys, values, start):
+        """Write tokens `start:` at their slots; grow the store by an eighth when full (the prompt and 256 more
+        at first): a few copies over a long generation, little unused room."""
+        end = start + keys.shape[-2]
+        if self.store_keys is None or end > self.store_keys.shape[-2]:
+            capacity = end + (256 if self.store_keys is None else max(256, end // 8))
+            b, h, _, d = keys.shape
+            grown = [t.new_empty(b, h, capacity, t.shape[-1]) for t in (keys, values)]
+            if self.store_keys is not None:
+                grown[0][:, :, :start], grown[1][:, :, :start] = self.store_keys[:, :, :start], \
+                    self.store_values[:, :, :start]
+            self.store_keys, self.store_values = grown
+            self.store_positions = torch.arange(capacity, device=keys.device).expand(b, capacity)
+        self.store_keys[:, :, start:end] = keys
+        self.store_values[:, :, start:end] = values
+
+    def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store."""
+        device = self.store_device or keys.device
+        pin = device.type == "cpu" and keys.is_cuda
+        self.store_keys, self.store_values = ((t.to(device).pin_memory() if pin else t.to(device))
+                                              for t in (keys, values))
+        self.store_positions = positions
+
+    def gather(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head)."""
+        b, h, _, d = self.store_keys.shape
+        index = slots[:, None, :, None].expand(b, h, -1, d).to(self.store_keys.device)
+        self.keys = self.store_keys.gather(2, index).to(self.device)
+        self.values = self.store_values.gather(2, index).to(self.device)
+        self.positions = self.store_positions.gather(1, slots)[:, None, :].expand(b, h, -1).clone()
+        self.valid = valid
+        self.all_valid = bool(valid.all())
+        self.compressed = True
+
+    def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
+        from the store and one write per tensor, every head at once)."""
+        at = (row, head, slot)
+        if self.store_keys.device != row.device:
+            at = tuple(i.to(self.store_keys.device) for i in at)
+        self.keys[row, head, target] = self.store_keys[at].to(self.keys.device, non_blocking=True)
+        self.values[row, head, target] = self.store_values[at].to(self.values.device, non_blocking=True)
+        self.positions[row, head, target] = self.store_positions[row, slot]
+
+    def crop_to(self, length: int) -> None:
+        if self.is_initialized and length < self.logical_len and self.records_tokens and not self.compressed:
+            self.logical_len = length  # attention reads the store: its slots past `length` are simply not read
+            self.keys, self.values = self.store_keys[:, :, :length], self.store_values[:, :, :length]
+            self.positions, self.valid = self.positions[..., :length], self.valid[:, :length]
+            return
+        super().crop_to(length)  # the working set; store slots past `length` are overwritten by the next tokens
+
+    def attended_tensors(self):
+        if self.records_tokens and not self.compressed:
+            return []  # attention reads the store itself
+        return super().attended_tensors()
+
+    def stored_tensors(self):
+        return [t for t in (self.store_keys, self.store_values) if t is not None]
+
+    def offloaded_tensors(self):
+        return self.stored_tensors() if self.store_device is not None else []
+
+    def resident_slots(self):
+        if self.records_tokens:
+            return self.logical_len  # the store holds every token
+        return self.slots
+
+
+def slot_dim(t: torch.Tensor) -> int:
+    """The slot dimension of a layer's tensor: (batch, heads, slots[, head_dim]), or (batch, slots) for `valid`."""
+    return min(t.dim() - 1, 2)
+
+
+def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:
+    """The contiguous buffer of which `t` is the first slots, when it has room for `slots`; else None.
+
+    The room is read from `t`'s own strides and storage (a view `buffer[:, :, :n]` keeps the buffer's strides), so
+    no reference to a buffer is held apart from its tensor: a replaced tensor frees its buffer.
+    """
+    if t.dim() < 2:
+        return None
+    dim = slot_dim(t)
+    if t.storage_offset() != 0 or t.stride(dim) == 0:
+        return None
+    shape = list(t.shape)
+    shape[dim] = t.stride(dim - 1) // t.stride(dim)
+    if shape[dim] < slots:
+        return None
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    if list(t.stride()) != strides or t.untyped_storage().nbytes() < step * t.element_size():
+        return None
+    return t.as_strided(shape, strides)
+
+
+def append_in_place(current: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """`current` and `new` joined along `dim`: written into the room behind `current`, or into a new buffer with
+    `GROW` free slots when it has none."""
+    n, q = current.shape[dim], new.shape[dim]
+    room = buffer_of(current, n + q)
+    if room is None:
+        shape = list(current.shape)
+        shape[dim] = n + q + GROW
+        room = current.new_empty(shape)
+        room.narrow(dim, 0, n).copy_(current)
+    room.narrow(dim, n, q).copy_(new)
+    return room.narrow(dim, 0, n + q)
+
+
+def allocated(t: torch.Tensor) -> torch.Tensor:
+    """`t` with the free room behind it (what it holds in memory)."""
+    room = buffer_of(t, 0)
+    return t if room is None else room

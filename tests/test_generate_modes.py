@@ -1,0 +1,316 @@
+"""Every `generate` mode under every press: each works correctly (as asserted here) or is refused clearly.
+
+The presses are found by existing: every `Press` subclass defined in sparsekv (`registered_presses`), built with
+options small enough for the tiny models (`tiny_press`), so a new press joins this matrix without editing it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from conftest import greedy, make_model, make_tokenizer, prompt
+from transformers import DynamicCache
+
+import sparsekv
+from sparsekv import CHESSPress, Press, ScorerPress, SentencePress, SnapKVPress, SparseCache, StoreLayer
+
+
+def registered_presses() -> list[type[Press]]:
+    """Every concrete press class sparsekv defines (aliases once)."""
+    found, todo = [], [Press]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__module__.startswith("sparsekv.") and cls not in (Press, ScorerPress) and cls not in found:
+            found.append(cls)
+    return sorted(found, key=lambda c: c.__name__)
+
+
+PRESSES = registered_presses()
+# Options sized for 64-token prompts, applied where a press has the field; CHESS re-selects at every step.
+TINY = {"window_size": 8, "chunk_size": 4, "page_size": 8, "n_sinks": 4, "reselect": "always"}
+ARCHS = ("llama", "qwen3", "phi3", "gemma3")
+
+
+def tiny_press(cls, **budget) -> Press:
+    names = {f.name for f in dataclasses.fields(cls)}
+    args = (make_tokenizer(),) if "tokenizer" in names else ()
+    return cls(*args, **{k: v for k, v in TINY.items() if k in names}, **(budget or {"ratio": 0.25}))
+
+
+def acts_while_decoding(cls) -> bool:
+    """Whether a press does anything after the prompt (else it compresses the prompt only)."""
+    phases = ("begin_forward", "before_attention", "on_queries", "after_step", "end_forward")
+    return any(getattr(cls, m) is not getattr(Press, m) for m in phases)
+
+
+def padded_batch(length: int = 64, pad: int = 5):
+    ids = prompt(length, batch=2, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def test_the_matrix_has_every_press():
+    assert {c.__name__ for c in PRESSES} >= {"CHESSPress", "ChunkPress", "H2OPress", "SentencePress",
+                                              "SnapKVPress", "StreamingLLMPress"}
+
+
+# --- beam search --------------------------------------------------------------------------------------------
+def teacher_forced_logprob(model, ids, mask, new_tokens) -> torch.Tensor:
+    """Sum of log-probs of `new_tokens` `(rows, n)` after the prompt, fed one by one (inside the press)."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(ids, attention_mask=mask, position_ids=positions)
+    total = torch.zeros(ids.shape[0], dtype=torch.float64)
+    for t in range(new_tokens.shape[1]):
+        token = new_tokens[:, t : t + 1]
+        total += out.logits[:, -1].double().log_softmax(-1).gather(-1, token)[:, 0]
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        out = model(token, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1, cache=out.cache)
+    return total
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_beam_scores_are_the_teacher_forced_logprobs(arch, impl, press_cls):
+    """Every returned beam's score is the log-prob of its tokens under the same press: the cache (and all press
+    state) followed each beam through every reorder."""
+    model = make_model(arch, impl)
+    if impl == "sdpa":  # float64; transformers' eager attention gives NaN on a left-padded row in float64, press or not
+        model = model.double()
+    ids, mask = padded_batch()
+    new = 6
+    press = tiny_press(press_cls)
+    with press(model):
+        for beams, returns, sample in [(2, 1, False), (4, 2, False), (2, 2, True)]:
+            torch.manual_seed(0)
+            out = model.generate(ids, attention_mask=mask, num_beams=beams, num_return_sequences=returns,
+                                 do_sample=sample, max_new_tokens=new, length_penalty=0.0, suppress_tokens=[2],
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+            rows, row_mask = ids.repeat_interleave(returns, 0), mask.repeat_interleave(returns, 0)
+            expected = teacher_forced_logprob(model, rows, row_mask, out.sequences[:, ids.shape[1]:])
+            gap = (out.sequences_scores.double() - expected).abs().max()
+            assert gap < 1e-3, f"{beams} beams, {returns} returned, sample={sample}: gap {gap:.2e}"
+
+
+# --- threads ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_concurrent_generations_on_one_model_give_the_sequential_outputs(press_cls):
+    model = make_model("llama")
+    prompts = [prompt(64 + 8 * i, seed=i) for i in range(4)]
+    with tiny_press(press_cls)(model):
+        expected = [greedy(model, p, new=8) for p in prompts]
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(20):
+                for got, want in zip(pool.map(lambda p: greedy(model, p, new=8), prompts), expected):
+                    assert torch.equal(got, want)
+
+
+def test_different_presses_on_different_models_in_parallel():
+    models = [make_model("llama", seed=s) for s in range(len(PRESSES))]
+    ids = prompt(64)
+    expected = []
+    for model, cls in zip(models, PRESSES):
+        with tiny_press(cls)(model):
+            expected.append(greedy(model, ids, new=8))
+    barrier = threading.Barrier(len(PRESSES))
+
+    def run(i):
+        with tiny_press(PRESSES[i])(models[i]):
+            barrier.wait()
+            return [greedy(models[i], ids, new=8) for _ in range(5)]
+
+    with ThreadPoolExecutor(len(PRESSES)) as pool:
+        for outs, want in zip(pool.map(run, range(len(PRESSES))), expected):
+            assert all(torch.equal(o, want) for o in outs)
+
+
+# --- drafts: prompt lookup and assisted decoding (crop) ----------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_drafted_decoding(arch, mode, press_cls):
+    """Presses that compress the prompt only decode exactly as greedy; the others never hold more than greedy."""
+    model = make_model(arch).double()
+    base = prompt(40, seed=5)
+    ids = torch.cat([base, base[:, :30]], dim=1)  # repeats: prompt lookup finds drafts
+    draft = ({"prompt_lookup_num_tokens": 3} if mode == "prompt_lookup"
+             else {"assistant_model": make_model(arch, seed=1).double()})
+    with tiny_press(press_cls)(model):
+        plain = greedy(model, ids, new=16, return_dict_in_generate=True)
+        drafted = greedy(model, ids, new=16, return_dict_in_generate=True, **draft)
+    assert drafted.sequences.shape == plain.sequences.shape
+    assert drafted.cache.get_seq_length() == plain.cache.get_seq_length()
+    if not acts_while_decoding(press_cls):
+        assert torch.equal(drafted.sequences, plain.sequences)
+    held, greedy_held = drafted.cache.stats().resident_tokens, plain.cache.stats().resident_tokens
+    assert all(h <= g for h, g in zip(held, greedy_held))
+
+
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_crop_forgets_the_rejected_tokens(press_cls):
+    """Prompt, a 3-token forward, crop 2: the KV and the press state are those of prompt + the kept token."""
+    model = make_model("llama").double()
+    ids, extra = prompt(64), prompt(3, seed=9)
+    with tiny_press(press_cls)(model):
+        cropped = model(ids).cache
+        model(extra, cache=cropped)
+        cropped.crop(-2)
+        direct = model(ids).cache
+        model(extra[:, :1], cache=direct)
+    assert cropped.get_seq_length() == direct.get_seq_length() == 65
+    for a, b in zip(cropped.compressed_layers(), direct.compressed_layers()):
+        assert a.slots <= b.slots or acts_while_decoding(press_cls)
+        held = lambda layer: {int(p) for p in layer.positions[0, 0][layer.valid[0]]}  # noqa: E731
+        assert max(held(a)) == 64 and not any(p > 64 for p in held(a))
+        if not acts_while_decoding(press_cls):
+            assert torch.equal(a.positions, b.positions) and torch.allclose(a.keys, b.keys)
+    if isinstance(cropped.state, sparsekv.presses.chess.CHESSState):
+        torch.testing.assert_close(cropped.state.page_sums, direct.state.page_sums)
+        assert cropped.state.summed <= 65
+    if isinstance(cropped.layers[0].state, sparsekv.presses.sentencekv.SentenceLayerState):
+        for a, b in zip(cropped.layers, direct.layers):
+            torch.testing.assert_close(a.state.query_sum, b.state.query_sum)
+
+
+# --- reset, batch selection and repetition, copies ---------------------------------------------------------------
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_reset_then_reuse_equals_a_fresh_cache(press_cls):
+    model = make_model("llama")
+    first, second = prompt(80, seed=1), prompt(64, seed=2)
+    with tiny_press(press_cls)(model):
+        cache = greedy(model, first, new=6, return_dict_in_generate=True).cache
+        cache.reset()
+        reused = greedy(model, second, new=8, cache=cache)
+        fresh = greedy(model, second, new=8)
+    assert torch.equal(reused, fresh)
+
+
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+@torch.no_grad()
+def test_batch_select_and_repeat_follow_every_row(press_cls):
+    model = make_model("llama")
+    ids, mask = padded_batch()
+    token = prompt(1, batch=2, seed=4)
+    step_mask = torch.cat([mask, torch.ones_like(token)], 1)
+    with tiny_press(press_cls)(model):
+        cache = model(ids, attention_mask=mask).cache
+        both = model(token, attention_mask=step_mask, cache=copy.deepcopy(cache)).logits[:, -1]
+        second = copy.deepcopy(cache)
+        second.batch_select_indices(torch.tensor([1]))
+        doubled = copy.deepcopy(second)
+        doubled.batch_repeat_interleave(2)
+        alone = model(token[1:], attention_mask=step_mask[1:], cache=second).logits[:, -1]
+        again = model(token[1:].repeat(2, 1), attention_mask=step_mask[1:].repeat(2, 1),
+                      cache=doubled).logits[:, -1]
+    torch.testing.assert_close(alone[0], both[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, torch.cat([alone, alone]), rtol=1e-4, atol=1e-4)
+
+
+def test_state_that_is_not_batch_first_is_named():
+    model = make_model("llama")
+    with SnapKVPress(ratio=0.5, window_size=8)(model):
+        cache = model(prompt(32, batch=2)).cache
+    cache.layers[0].extra["oops"] = torch.zeros(3, 4)
+    with pytest.raises(TypeError, match=r"KVLayer.extra\['oops'\] has shape \(3, 4\), not batch-first"):
+        cache.reorder_cache(torch.tensor([1, 0]))
+
+
+# --- outside the with block, and caches the press cannot use ------------------------------------------------------
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_a_compressed_cache_used_without_its_press_raises(press_cls):
+    model = make_model("llama")
+    with tiny_press(press_cls)(model):
+        cache = model(prompt(64)).cache
+    with pytest.raises(RuntimeError, match=r"continue it inside `with press\(model\):`"):
+        model(prompt(3, seed=1), cache=cache)
+    with tiny_press(press_cls)(model):  # inside again: it continues
+        assert model(prompt(3, seed=1), cache=cache).cache.get_seq_length() == 67
+
+
+def test_use_cache_false_and_a_users_dynamic_cache_are_said(caplog):
+    model = make_model("llama")
+    ids = prompt(64)
+    with caplog.at_level(logging.WARNING, logger="sparsekv"), SnapKVPress(ratio=0.25, window_size=8)(model):
+        greedy(model, ids, new=3, use_cache=False)
+        out = greedy(model, ids, new=3, cache=DynamicCache(config=model.config), return_dict_in_generate=True)
+    messages = [r.getMessage() for r in caplog.records if r.name == "sparsekv"]
+    assert len(messages) == 2  # once each, not once per forward
+    assert "use_cache=False" in messages[0] and "does nothing" in messages[0]
+    assert "DynamicCache it did not build" in messages[1] and "press.make_cache(model)" in messages[1]
+    assert not isinstance(out.cache, SparseCache) and out.cache.get_seq_length() == 66  # uncompressed
+
+
+@pytest.mark.parametrize("implementation", ["static", "offloaded"])
+def test_caches_a_press_cannot_compress_are_refused(implementation):
+    model = make_model("llama")
+    with SnapKVPress(ratio=0.25, window_size=8)(model), pytest.raises(ValueError, match="cannot compress a"):
+        greedy(model, prompt(64), new=3, cache_implementation=implementation)
+
+
+# --- the core's invariants -------------------------------------------------------------------------------------------
+def test_capabilities_are_declared():
+    with pytest.raises(TypeError, match="overrides on_queries but does not declare reads_step_queries"):
+        class Undeclared(Press):
+            def on_queries(self, cache, layer, call):
+                pass
+
+
+def test_query_time_selection_may_not_change_the_layout():
+    @dataclasses.dataclass(kw_only=True)
+    class Shrinks(SnapKVPress):
+        reads_step_queries: ClassVar[bool] = True
+
+        def on_queries(self, cache, layer, call):
+            layer.select(torch.zeros(*layer.positions.shape[:2], 3, dtype=torch.long),
+                         torch.ones(layer.valid.shape[0], 3, dtype=torch.bool))
+
+    model = make_model("llama")
+    with Shrinks(ratio=0.5, window_size=8)(model), pytest.raises(RuntimeError, match="after its mask was built"):
+        greedy(model, prompt(32), new=3)
+
+
+# --- configuration ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_numpy_scalars_are_accepted_and_booleans_refused(press_cls):
+    press = tiny_press(press_cls, ratio=np.float32(0.25))
+    assert press.ratio == 0.25 and type(press.ratio) is float
+    with pytest.raises(ValueError, match="ratio must be in"):
+        tiny_press(press_cls, ratio=True)
+    if "budget" not in getattr(press_cls, "budget_options", ()) and press_cls is not CHESSPress:
+        assert tiny_press(press_cls, budget=np.int64(20)).budget == 20
+        with pytest.raises(ValueError, match="budget must be an integer"):
+            tiny_press(press_cls, budget=True)
+
+
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_dataclasses_replace_works(press_cls):
+    press = tiny_press(press_cls)
+    changed = dataclasses.replace(press, ratio=0.5)
+    assert changed.ratio == 0.5 and dataclasses.replace(press) == press
+
+
+@pytest.mark.parametrize("press_cls", [c for c in PRESSES if c is not CHESSPress], ids=lambda c: c.__name__)
+def test_a_row_too_short_for_its_budget_is_named(press_cls):
+    model = make_model("llama")
+    ids, mask = padded_batch(length=40, pad=25)  # row 1: 15 real tokens
+    with tiny_press(press_cls, budget=20)(model), pytest.raises(ValueError, match="row 1's prompt"):
+        model(ids, attention_mask=mask)
+
+
+def test_store_layers_are_core_layers():
+    """CHESS and SentenceKV keep no layer class of their own: the core's store-backed layer serves both."""
+    model = make_model("llama")
+    for press in (tiny_press(CHESSPress), tiny_press(SentencePress)):
+        with press(model):
+            cache = model(prompt(64)).cache
+        assert all(type(layer) is StoreLayer for layer in cache.layers)
