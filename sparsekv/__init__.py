@@ -17,6 +17,8 @@ from .presses import (
     SentencePress,
     SnapKVPress,
     StreamingLLMPress,
+    make_press,
+    registered,
 )
 
 from .pipeline import SparseKVPipeline  # registers pipeline("sparsekv-text-generation")
@@ -41,4 +43,6 @@ __all__ = [
     "SparseKVPipeline",
     "StoreLayer",
     "StreamingLLMPress",
+    "make_press",
+    "registered",
 ]

@@ -37,7 +37,7 @@ from .cache import SparseCache
 from .cache import cache_footprint
 from .demo import timed_generate
 from .table import format_table
-from .evaluation.presses import PRESSES, make_press
+from .evaluation.presses import check_press, known_presses, make_press
 from .niah import build_needle_prompt
 
 WARMUP_TOKENS = 1024  # warm-up prompt length (at most the configuration's own)
@@ -46,7 +46,7 @@ WARMUP_NEW_TOKENS = 4
 
 @dataclass(frozen=True)
 class Setting:
-    """One measured configuration: `press` ("full" or a name of `PRESSES`) on a prompt of `length` tokens."""
+    """One measured configuration: `press` ("full" or a press spec of the registry) on a prompt of `length` tokens."""
 
     press: str
     length: int
@@ -86,12 +86,12 @@ def plan(lengths, presses, ratios=None, budgets=None) -> list[tuple[Setting, Set
                 if budget is not None and budget > length:
                     raise ValueError(f"--budgets: {budget} exceeds the {length}-token prompt of --lengths.")
                 try:
-                    setting.make_press(tokenizer="(checked later)")
+                    check_press(name, ratio, budget)
                 except ValueError as err:
                     raise ValueError(f"{setting.label(lengths)}: {err}") from None
                 triples.append((setting, full, Setting("full", setting.kept)))
     if not triples:
-        raise ValueError(f"--presses: give at least one press other than full; known presses: {', '.join(PRESSES)}.")
+        raise ValueError(f"--presses: give at least one press other than full; known presses: {known_presses()}.")
     return triples
 
 
@@ -99,7 +99,7 @@ def check_inputs(lengths, presses, ratios, budgets, max_new_tokens: int, repeats
                  plot: str | None = None, json_path: str | None = None) -> None:
     """Raise ValueError with a clear message for any input the benchmark cannot run."""
     for name in presses:
-        make_press(name, ratio=1.0, tokenizer="(checked later)")  # unknown names raise, listing the presses
+        check_press(name)  # unknown names and options raise, listing the presses
     if (ratios is None) == (budgets is None):
         raise ValueError("give exactly one of --ratios and --budgets.")
     if ratios is not None and not (ratios and all(0 < r <= 1 for r in ratios)):
@@ -357,14 +357,14 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
 # --- command line (the `bench` entry of sparsekv.cli.COMMANDS) ---------------------------------------------------
 def add_arguments(parser) -> None:
     """Options of `sparsekv bench`."""
-    from .cli import _csv, _fraction, _int_at_least
+    from .cli import _csv, _fraction, _int_at_least, press_specs
 
     add = parser.add_argument
     add("--model", default="smollm2-135m",
         help="alias (smollm2-135m, qwen2.5-0.5b), .gguf file, model folder or Hub id (default: %(default)s)")
     add("--lengths", type=_csv(_int_at_least(1)), default=[8000], help="prompt lengths in tokens (default: 8000)")
-    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm", "chunkkv"],
-        help=f"comma-separated, of: {', '.join(p for p in PRESSES if p != 'full')} (default: snapkv,h2o,"
+    add("--presses", type=press_specs, default=["snapkv", "h2o", "streamingllm", "chunkkv"],
+        help=f"comma-separated, of: {known_presses()} (default: snapkv,h2o,"
         "streamingllm,chunkkv; the full cache and each press's oracle are always measured); options after the "
         "name: chunkkv:reuse_layers=1")
     kept = parser.add_mutually_exclusive_group()

@@ -27,6 +27,16 @@ def _fraction(zero_allowed: bool) -> Callable[[str], float]:
     return parse
 
 
+def press_specs(text: str) -> list[str]:
+    """An argparse type: comma-separated press specs, each with its options (`chunkkv:ratio=0.1,reuse_layers=1`)."""
+    from .presses.registry import split_specs
+
+    specs = split_specs(text)
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one press")
+    return specs
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= `minimum`."""
 
@@ -40,6 +50,16 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def press_specs(text: str) -> list[str]:
+    """An argparse type: comma-separated press specs, each with its options (`chunkkv:ratio=0.1,reuse_layers=1`)."""
+    from .presses.registry import split_specs
+
+    specs = split_specs(text)
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one press")
+    return specs
 
 
 # --- demo ------------------------------------------------------------------------------------------------------
@@ -79,9 +99,19 @@ def _csv(item_type: Callable[[str], object]) -> Callable[[str], list]:
     return parse
 
 
+def press_specs(text: str) -> list[str]:
+    """An argparse type: comma-separated press specs, each with its options (`chunkkv:ratio=0.1,reuse_layers=1`)."""
+    from .presses.registry import split_specs
+
+    specs = split_specs(text)
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one press")
+    return specs
+
+
 # --- eval ------------------------------------------------------------------------------------------------------
 def _eval_args(parser: argparse.ArgumentParser) -> None:
-    from .evaluation import PRESSES, TASKS
+    from .evaluation import TASKS, known_presses
 
     add = parser.add_argument
     add("--model", default="smollm2-135m",
@@ -89,8 +119,8 @@ def _eval_args(parser: argparse.ArgumentParser) -> None:
     add("--tasks", type=_csv(str), default=list(TASKS),
         help=f"comma-separated: {', '.join(TASKS)}, or ruler:<task> / longbench:<task> from the Hub "
         "(default: every local task)")
-    add("--presses", type=_csv(str), default=["snapkv", "h2o", "streamingllm", "chunkkv"],
-        help=f"comma-separated, of: {', '.join(PRESSES)} (default: snapkv,h2o,streamingllm,chunkkv; the full "
+    add("--presses", type=press_specs, default=["snapkv", "h2o", "streamingllm", "chunkkv"],
+        help=f"comma-separated, of: {known_presses()} (default: snapkv,h2o,streamingllm,chunkkv; the full "
         "cache is added unless --no-full); options after the name: chunkkv:reuse_layers=1")
     kept = parser.add_mutually_exclusive_group()
     kept.add_argument("--ratios", type=_csv(_fraction(zero_allowed=False)), default=[0.5, 0.25, 0.1],

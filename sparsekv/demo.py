@@ -11,13 +11,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from . import CHESSPress, ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from .cache import cache_footprint
 from .niah import build_needle_prompt, score_answer
+from .presses.registry import BUILT_IN, make_press
 from .table import format_table
 
-PRESSES = {"SnapKV": SnapKVPress, "H2O": H2OPress, "StreamingLLM": StreamingLLMPress, "ChunkKV": ChunkPress,
-           "CHESS": CHESSPress}
 
 
 class StepClock(LogitsProcessor):
@@ -73,8 +71,8 @@ def run_demo(
     n_prompt = input_ids.shape[1]
     print(f"model {model_name}: {n_prompt}-token prompt, needle at depth {depth:.0%}, answer {answer}, ratio {ratio}")
 
-    configs = [("full cache", None)] + [(name, cls(ratio=ratio)) for name, cls in PRESSES.items()]
-    configs.append(("SentenceKV", SentencePress(tokenizer, ratio=ratio)))
+    configs = [("full cache", None)] + [(cls.label(), make_press(name, tokenizer=tokenizer, ratio=ratio))
+                                        for name, cls in BUILT_IN.items()]
     rows = []
     for name, press in tqdm(configs, desc="presses"):
 

@@ -99,6 +99,11 @@ class Press:
         if self.budget is not None:
             self.budget = check_number(name, "budget", self.budget, integer=True, low=1, unit="tokens kept")
 
+    @classmethod
+    def label(cls) -> str:
+        """The method's name in tables: the class name without "Press" unless the class says otherwise."""
+        return cls.__dict__.get("paper_name") or cls.__name__.removesuffix("Press")
+
     def __call__(self, model: torch.nn.Module):
         """Install on `model` for the duration of a `with` block."""
         return install(self, model)

@@ -34,7 +34,7 @@ from transformers import GenerationConfig
 from ..models import MODELS
 from ..prefill import Prefill, generate_from
 from .hub import is_hub_task, load_hub_task
-from .presses import PRESSES, make_press, parse_press
+from .presses import check_press, is_full, make_press
 from .prompts import Prompt, Sample, encode
 from .results import check_config, merge, open_shard, read_records, write_json
 from .scoring import score
@@ -84,7 +84,7 @@ class EvalConfig:
                 raise ValueError(f"--tasks: unknown task {task!r}; local tasks: {', '.join(TASKS)}; "
                                  "Hub tasks: ruler:<task>, longbench:<task>.")
         for press in self.presses:
-            make_press(press, ratio=1.0, tokenizer="(checked later)")  # raises for unknown names and options
+            check_press(press)  # raises for unknown names and options
         if self.mode not in MODES:
             raise ValueError(f"--mode: must be one of {', '.join(MODES)}; got {self.mode!r}.")
         if not self.budgets and not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in self.ratios):
@@ -100,7 +100,7 @@ class EvalConfig:
         """Every run of the sweep, the full-cache reference first for each task and length."""
         modes = ["question", "agnostic"] if self.mode == "both" else [self.mode]
         kept = [(None, b) for b in self.budgets] if self.budgets else [(r, None) for r in self.ratios]
-        compressed = [p for p in self.presses if PRESSES[parse_press(p)[0]] is not None]
+        compressed = [p for p in self.presses if not is_full(p)]
         runs = []
         for length in self.lengths:
             for task in self.tasks:

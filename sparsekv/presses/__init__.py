@@ -6,11 +6,12 @@ from .h2o import H2OPress
 from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
+from .registry import make_press, press_class, registered
 
 ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress
 
 __all__ = [
     "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "SentenceKVPress", "SentencePress", "SnapKVPress",
-    "StreamingLLMPress",
+    "StreamingLLMPress", "make_press", "press_class", "registered",
 ]

@@ -4,6 +4,7 @@ Long-Context LLM Inference", arXiv 2502.00299)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -52,6 +53,7 @@ class ChunkPress(SnapKVPress):
 
     chunk_size: int = 10
     reuse_layers: int = 2
+    paper_name: ClassVar[str] = "ChunkKV"
 
     def __post_init__(self):
         super().__post_init__()

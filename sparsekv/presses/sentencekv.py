@@ -102,6 +102,7 @@ class SentencePress(SnapKVPress):
     prompt_sentence: bool = True
     centre: bool = True
     reads_input_ids: ClassVar[bool] = True
+    paper_name: ClassVar[str] = "SentenceKV"
     reads_step_queries: ClassVar[bool] = True
 
     def __post_init__(self):
