@@ -5,6 +5,9 @@
         model.generate(...)
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from .cache import CacheStats, Forward, KVLayer, SparseCache, StoreLayer
 from .press import Press, ScorerPress
 from .state import RowState
@@ -23,7 +26,10 @@ from .presses import (
 
 from .pipeline import SparseKVPipeline  # registers pipeline("sparsekv-text-generation")
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("sparsekv")  # pyproject.toml is the one place the version is written
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CHESSPress",

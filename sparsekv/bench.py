@@ -29,7 +29,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 from tqdm.auto import tqdm
 
@@ -38,6 +37,7 @@ from .cache import cache_footprint
 from .demo import timed_generate
 from .table import format_table
 from .evaluation.presses import check_press, known_presses, make_press
+from .models import require
 from .niah import build_needle_prompt
 
 WARMUP_TOKENS = 1024  # warm-up prompt length (at most the configuration's own)
@@ -131,6 +131,9 @@ class PeakRSS:
     """
 
     def __init__(self, interval: float = 0.005):
+        require("psutil", "eval", "to measure memory")
+        import psutil
+
         self.interval, self._process = interval, psutil.Process()
         self.baseline = self.peak = 0
 
@@ -287,6 +290,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def plot_latency(rows: list[dict], path, title: str = "", window: int = 16) -> Path:
     """PNG of decode latency (ms, running median of `window` steps) vs generated token, a line per row."""
+    require("matplotlib", "plot", "to draw plots")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -218,7 +218,10 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="sparsekv", description="KV-cache compression presses for transformers.")
+    parser.add_argument("--version", action="version", version=f"sparsekv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="command", required=True)
     for name, (help_text, add_args, run) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)

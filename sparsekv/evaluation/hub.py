@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+from ..models import require
 from .prompts import Sample, encode
 
 HUB_DATASETS = {"ruler": "simonjegou/ruler", "longbench": "Xnhyacinth/LongBench"}
@@ -27,6 +28,7 @@ def is_hub_task(name: str) -> bool:
 
 def _rows(source: str, task: str, length: int):
     """The dataset's rows for `task` (raises when the Hub or the dataset cannot be reached)."""
+    require("datasets", "eval", "for Hub tasks")
     from datasets import load_dataset
     from huggingface_hub import HfApi
 

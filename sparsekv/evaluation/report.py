@@ -12,6 +12,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from ..models import require
 from ..table import format_table
 
 
@@ -62,6 +63,7 @@ def format_report(results: list[dict]) -> str:
 
 def plot(results: list[dict], path: str | Path) -> Path:
     """Write the score-vs-KV-kept plot to `path` (PNG) and return it."""
+    require("matplotlib", "plot", "to draw plots")
     import matplotlib
 
     matplotlib.use("Agg")

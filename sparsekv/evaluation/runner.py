@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..models import MODELS
+from ..models import MODELS, require
 from ..prefill import Prefill, generate_from
 from .hub import is_hub_task, load_hub_task
 from .presses import check_press, is_full, make_press
@@ -299,6 +299,7 @@ def load_and_evaluate(config: EvalConfig, device_map=None, dtype=torch.float32, 
         return [json.loads(path.read_text()) for path in done]
     state = None
     if distributed:
+        require("accelerate", "eval", "to split a sweep over processes")
         from accelerate import PartialState
 
         # Processes on CPU (no accelerator, or `--cpu`) only join a process group when told they are on CPU.

@@ -1,0 +1,63 @@
+"""Packaging: one version, typed, and a core that needs none of the extras."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import metadata, requires, version
+from pathlib import Path
+
+import sparsekv
+from sparsekv.cli import main
+
+EXTRAS_MODULES = ("matplotlib", "accelerate", "datasets", "psutil", "gguf", "pandas")
+
+
+def test_one_version(capsys):
+    assert sparsekv.__version__ == version("sparsekv")
+    try:
+        main(["--version"])
+    except SystemExit as done:
+        assert done.code == 0
+    assert capsys.readouterr().out.strip() == f"sparsekv {version('sparsekv')}"
+
+
+def test_metadata_license_and_typed():
+    meta = metadata("sparsekv")
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert (Path(sparsekv.__file__).parent / "py.typed").exists()
+    assert "Apache License" in (Path(sparsekv.__file__).parent.parent / "LICENSE").read_text()
+
+
+def test_core_dependencies_are_lean():
+    core = {r.split(">")[0].split("<")[0].split("=")[0].strip() for r in requires("sparsekv") if "extra ==" not in r}
+    assert core == {"torch", "transformers", "nltk", "numpy", "tqdm"}
+
+
+def test_compressing_a_generation_loads_no_extra():
+    """In fresh interpreters: a generation compressed by a press built from a spec loads no optional package that
+    the same generation without sparsekv does not (transformers itself imports some when they are installed)."""
+    code = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1)
+model = LlamaForCausalLM(config).eval()
+ids = torch.randint(3, 64, (1, 40))
+generate = lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                                  pad_token_id=0)
+if sys.argv[1] == "press":
+    import sparsekv
+    with sparsekv.make_press("chunkkv:ratio=0.5,window_size=8,chunk_size=4")(model):
+        generate()
+else:
+    generate()
+print(" ".join(sorted(m for m in sys.argv[2:] if m in sys.modules)))
+"""
+
+    def loaded(mode: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-c", code, mode, *EXTRAS_MODULES], capture_output=True, text=True,
+                             check=True)
+        return set(out.stdout.strip().splitlines()[-1].split()) if out.stdout.strip() else set()
+
+    assert loaded("press") <= loaded("plain")
