@@ -105,7 +105,8 @@ class CHESSPress(Press):
         window_pages: most recent complete pages always attended, and the anchor (default 2).
         reselect: "uncertainty" (sec. 3.3, default), "always" (every step), or "never" (after the prompt only).
         reselect_every: re-select every N decoding steps instead (the fixed schedule of Appendix C).
-        entropy_threshold, varentropy_threshold: uncertainty triggers, in nats and nats^2 (see `calibrate`).
+        entropy_threshold: uncertainty trigger, in nats (default 6.7: see above and `calibrate`).
+        varentropy_threshold: uncertainty trigger, in nats^2 (default 12.4: see above and `calibrate`).
         pre_rope: page vectors from the keys before rotary position embedding (default True; the paper says
             "Key states" without saying which). After RoPE, a page's mean key carries its position, and the
             dot product of two pages depends on their distance more than on their content.

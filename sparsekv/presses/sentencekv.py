@@ -66,7 +66,7 @@ class SentencePress(SnapKVPress):
     `on_queries`). Attention reads sinks + loaded + recent window + generated.
 
     Choices the paper leaves open (sparsekv's; `prompt_sentence` and `centre` below, each with its measured
-    effect in the README): where the sentence being generated starts, and what RoPE does to eq. 1's mean keys.
+    effect in docs/results.md): where the sentence being generated starts, and what RoPE does to eq. 1's mean keys.
     The sinks and the recent window (32 + 32, from the authors' code; the paper names neither) come on top of
     the tau loaded tokens, as the paper's tau counts retrieved tokens only.
 
@@ -80,7 +80,8 @@ class SentencePress(SnapKVPress):
             paper's NIAH result uses 3).
         n_sinks: first prompt tokens always attended (default 32, the authors' code).
         window_size: SnapKV's observation window, also the recent window always attended (default 32).
-        kernel_size, pooling: SnapKV's scoring (see `SnapKVPress`).
+        kernel_size: SnapKV's pooling kernel, in tokens (default 7, see `SnapKVPress`).
+        pooling: SnapKV's pooling, "max" or "avg" (default "max", see `SnapKVPress`).
         offload_device: where the store lives (default "cpu"; pinned memory when the model is on CUDA).
         max_sentence_tokens: longest sentence bucket; longer ones are cut (default 128, ~4x the paper's median
             sentence of 25-30 tokens; only matters when mean + 2 std does not apply, e.g. one sentence).
