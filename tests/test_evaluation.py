@@ -278,6 +278,36 @@ def test_report_table_and_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_wilson_interval():
+    from sparsekv.evaluation.report import wilson
+
+    lo, hi = wilson(50.0, 20)
+    assert 29 < lo < 30 and 70 < hi < 71  # 10 of 20: [29.9, 70.1]
+    assert wilson(100.0, 20)[1] == 100.0 and 83 < wilson(100.0, 20)[0] < 84
+    assert wilson(0.0, 0) == (0.0, 100.0)
+
+
+def test_a_missing_task_has_no_mean(tmp_path):
+    synthetic_results(tmp_path)
+    run = tmp_path / "m" / "passkey" / "snapkv_0.1_1000_question"
+    for path in run.iterdir():
+        path.unlink()
+    run.rmdir()
+    lines = format_report(load_results(tmp_path)).splitlines()
+    row = next(line.split() for line in lines if line.split()[2:5] == ["question", "snapkv", "0.1"])
+    assert row[6:9] == ["10.0", "-", "-"]  # niah_single, passkey (missing), mean (missing, not 10.0)
+
+
+def test_plot_axes_fit_the_data_and_say_what_is_averaged(tmp_path):
+    from sparsekv.evaluation.report import figure
+
+    synthetic_results(tmp_path)
+    ax = figure(load_results(tmp_path)).axes[0]
+    assert 0.0 <= ax.get_xlim()[0] < 0.1 and 0.5 < ax.get_xlim()[1] < 0.6  # kept fractions 0.1 and 0.5
+    assert ax.get_ylim()[1] <= 100 and "mean over 2 tasks, 2 samples each" in ax.get_title()
+    assert "95% Wilson interval" in ax.get_title()
+
+
 def test_report_command(tmp_path, capsys):
     synthetic_results(tmp_path)
     assert main(["report", str(tmp_path)]) == 0
