@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from chess_affinity import needle_token
 from tqdm.auto import tqdm
 
 from sparsekv import SentencePress
@@ -23,8 +24,6 @@ from sparsekv.evaluation.prompts import encode
 from sparsekv.evaluation.tasks import TASKS
 from sparsekv.models import load_model
 from sparsekv.table import format_table
-
-from chess_affinity import needle_token
 
 
 @torch.no_grad()

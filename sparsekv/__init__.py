@@ -9,8 +9,8 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .cache import CacheStats, Forward, KVLayer, SparseCache, StoreLayer
+from .pipeline import SparseKVPipeline  # registers pipeline("sparsekv-text-generation")
 from .press import Press, ScorerPress
-from .state import RowState
 from .presses import (
     CHESSPress,
     ChunkKVPress,
@@ -23,8 +23,7 @@ from .presses import (
     make_press,
     registered,
 )
-
-from .pipeline import SparseKVPipeline  # registers pipeline("sparsekv-text-generation")
+from .state import RowState
 
 try:
     __version__ = _version("sparsekv")  # pyproject.toml is the one place the version is written

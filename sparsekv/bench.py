@@ -32,13 +32,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cache import SparseCache
 from .cache import cache_footprint
 from .demo import timed_generate
-from .table import format_table
 from .evaluation.presses import check_press, known_presses, make_press
 from .models import require
 from .niah import build_needle_prompt
+from .table import format_table
 
 WARMUP_TOKENS = 1024  # warm-up prompt length (at most the configuration's own)
 WARMUP_NEW_TOKENS = 4

@@ -29,7 +29,7 @@ import copy
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
@@ -161,7 +161,8 @@ class SparseCache(RowState, Cache):
             raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
         self.press.begin_forward(self, self.forward)
 
-    def before_layer(self, module, hidden: torch.Tensor, position_embeddings):
+    def before_layer(self, module: torch.nn.Module, hidden: torch.Tensor,
+                     position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> Any:
         """Before layer `module.layer_idx`'s attention: the press's selection, then the mask (or `KEEP_MASK`)."""
         forward = self._open_forward(module.layer_idx)
         layer = self.layers[module.layer_idx]
@@ -193,7 +194,8 @@ class SparseCache(RowState, Cache):
             raise RuntimeError(f"{type(self.press).__name__}.on_queries changed layer {layer_idx}'s slots or their "
                                "validity after its mask was built; rewrite what slots hold, not how many there are.")
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         forward = self._open_forward(layer_idx)
         kwargs.setdefault("valid", forward.input_valid)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
@@ -305,7 +307,7 @@ class SparseCache(RowState, Cache):
             layer_jaccard=self.layer_jaccard(),
         )
 
-    def prompt_work(self, key, compute):
+    def prompt_work(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """`compute()`, or its result for the same `key` on the same prompt when one is at hand.
 
         Presses wrap work that depends only on the prompt and on what `key` names (never on the budget), so

@@ -27,16 +27,6 @@ def _fraction(zero_allowed: bool) -> Callable[[str], float]:
     return parse
 
 
-def press_specs(text: str) -> list[str]:
-    """An argparse type: comma-separated press specs, each with its options (`chunkkv:ratio=0.1,reuse_layers=1`)."""
-    from .presses.registry import split_specs
-
-    specs = split_specs(text)
-    if not specs:
-        raise argparse.ArgumentTypeError("give at least one press")
-    return specs
-
-
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= `minimum`."""
 
@@ -52,17 +42,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def press_specs(text: str) -> list[str]:
-    """An argparse type: comma-separated press specs, each with its options (`chunkkv:ratio=0.1,reuse_layers=1`)."""
-    from .presses.registry import split_specs
-
-    specs = split_specs(text)
-    if not specs:
-        raise argparse.ArgumentTypeError("give at least one press")
-    return specs
-
-
-# --- demo ------------------------------------------------------------------------------------------------------
 def _demo_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="smollm2-135m", help="model alias, .gguf file or directory (default: %(default)s)")

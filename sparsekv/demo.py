@@ -17,7 +17,6 @@ from .presses.registry import BUILT_IN, make_press
 from .table import format_table
 
 
-
 class StepClock(LogitsProcessor):
     """Records `time.perf_counter()` each time generate scores a next token, i.e. after every forward
     (on a GPU, once the forward is done)."""

@@ -66,7 +66,8 @@ class KVLayer(RowState, CacheLayerMixin):
         self.valid = torch.empty(b, 0, dtype=torch.bool, device=self.device)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, valid: torch.Tensor | None = None, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new tokens (all real unless `valid` `(batch, new)` says otherwise); return what is attended."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -251,7 +252,8 @@ class StoreLayer(KVLayer):
         self.records_tokens = records_tokens
         self.store_keys = self.store_values = self.store_positions = None
 
-    def update(self, key_states, value_states, *args, valid=None, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.records_tokens:
             return super().update(key_states, value_states, valid=valid)
         if not self.is_initialized:
@@ -320,18 +322,18 @@ class StoreLayer(KVLayer):
             return
         super().crop_to(length)  # the working set; store slots past `length` are overwritten by the next tokens
 
-    def attended_tensors(self):
+    def attended_tensors(self) -> list[torch.Tensor]:
         if self.records_tokens and not self.compressed:
             return []  # attention reads the store itself
         return super().attended_tensors()
 
-    def stored_tensors(self):
+    def stored_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.store_keys, self.store_values) if t is not None]
 
-    def offloaded_tensors(self):
+    def offloaded_tensors(self) -> list[torch.Tensor]:
         return self.stored_tensors() if self.store_device is not None else []
 
-    def resident_slots(self):
+    def resident_slots(self) -> int:
         if self.records_tokens:
             return self.logical_len  # the store holds every token
         return self.slots

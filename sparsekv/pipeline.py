@@ -58,7 +58,7 @@ class SparseKVPipeline(Pipeline):
             forward["max_new_tokens"] = max_new_tokens
         return preprocess, forward, {}
 
-    def preprocess(self, context, questions=None):
+    def preprocess(self, context: str, questions: list[str] | str | None = None) -> dict:
         if not isinstance(context, str) or not context.strip():
             raise ValueError("context: give the long text to compress, a non-empty string.")
         if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
@@ -82,7 +82,7 @@ class SparseKVPipeline(Pipeline):
         return {"answers": answers, "context_tokens": context.shape[1], "resident_tokens": resident,
                 "kv_bytes": kv_bytes, "full_kv_bytes": cache_footprint(prefill.cache)[2]}
 
-    def postprocess(self, outputs):
+    def postprocess(self, outputs: dict) -> dict:
         answers = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs["answers"]]
         return {**outputs, "answers": answers}
 

@@ -27,6 +27,7 @@ And two factories: `new_layer(layer_idx)` (a `KVLayer`, or a `StoreLayer` with t
 from __future__ import annotations
 
 import numbers
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -35,6 +36,7 @@ import torch
 from .attention import AttentionCall
 from .cache import Forward, KVLayer, SparseCache
 from .hooks import install
+from .state import RowState
 
 
 def check_number(owner: str, name: str, value, *, integer: bool = False, low=None, high=None,
@@ -104,7 +106,7 @@ class Press:
         """The method's name in tables: the class name without "Press" unless the class says otherwise."""
         return cls.__dict__.get("paper_name") or cls.__name__.removesuffix("Press")
 
-    def __call__(self, model: torch.nn.Module):
+    def __call__(self, model: torch.nn.Module) -> AbstractContextManager[torch.nn.Module]:
         """Install on `model` for the duration of a `with` block."""
         return install(self, model)
 
@@ -117,7 +119,7 @@ class Press:
         """The cache layer of full-attention layer `layer_idx`."""
         return KVLayer()
 
-    def new_state(self, cache: SparseCache):
+    def new_state(self, cache: SparseCache) -> RowState | None:
         """The press's per-generation state, kept in `cache.state` (never on the press); a `RowState` or None."""
         return None
 
@@ -216,7 +218,7 @@ class ScorerPress(Press):
         """Tokens the press always keeps (so the smallest budget it accepts), and what they are."""
         return 1, "1 token"
 
-    def compress(self, cache, layer, call):
+    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache, *self.min_kept())
         if self.keeps_everything(cache):
             return

@@ -6,8 +6,7 @@ import pytest
 import torch
 from conftest import greedy, make_model, make_tokenizer, prompt
 
-from sparsekv import CHESSPress
-from sparsekv import StoreLayer
+from sparsekv import CHESSPress, StoreLayer
 from sparsekv.presses.chess import PRESETS, uncertainty
 
 B = 8  # page size of the tests

@@ -10,8 +10,16 @@ import torch.nn.functional as F
 from conftest import ARCHITECTURES, greedy, make_model, make_tokenizer, prompt
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from sparsekv import (CHESSPress, ChunkPress, H2OPress, KVLayer, SentencePress, SnapKVPress, SparseCache,
-                      StreamingLLMPress)
+from sparsekv import (
+    CHESSPress,
+    ChunkPress,
+    H2OPress,
+    KVLayer,
+    SentencePress,
+    SnapKVPress,
+    SparseCache,
+    StreamingLLMPress,
+)
 from sparsekv.cache import GROW, buffer_of
 
 PRESSES = {

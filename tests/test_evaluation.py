@@ -19,13 +19,21 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from sparsekv.cli import main
-from sparsekv.evaluation import TASKS, EvalConfig, Evaluator, Sample, encode, format_report, load_results, plot
-from sparsekv.evaluation import hub, runner
+from sparsekv.evaluation import (
+    TASKS,
+    EvalConfig,
+    Evaluator,
+    Sample,
+    encode,
+    format_report,
+    hub,
+    load_results,
+    plot,
+    runner,
+)
 from sparsekv.evaluation.scoring import aggregate, score
-from sparsekv.evaluation.tasks import read_haystack
+from sparsekv.evaluation.tasks import INTRO, NOISE, read_haystack
 from sparsekv.evaluation.words import WORDS
-from sparsekv.evaluation.tasks import INTRO, NOISE
-
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +367,8 @@ def test_device_map_auto_gives_the_same_answers(tmp_path, model_dir, monkeypatch
     (["--ratios", "1.5"], "--ratios: .*must be in"),
     (["--mode", "sideways"], "--mode: invalid choice"),
     (["--presses", "chunkkv:reuse_layers"], "--presses: 'chunkkv:reuse_layers': options are key=value after the name"),
-    (["--presses", "chunkkv:reuse=1"], "--presses: 'chunkkv:reuse=1': ChunkPress has no option 'reuse'; its options: ratio, budget"),
+    (["--presses", "chunkkv:reuse=1"],
+     "--presses: 'chunkkv:reuse=1': ChunkPress has no option 'reuse'; its options: ratio, budget"),
     (["--presses", "full:x=1"], "--presses: the full cache takes no options"),
 ])
 def test_bad_command_line_input(args, message, capsys, tmp_path):

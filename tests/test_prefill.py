@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from sparsekv.prefill import Prefill
-
-from conftest import greedy, make_model, make_tokenizer, prompt
 
 PRESSES = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), StreamingLLMPress(budget=24),
            ChunkPress(ratio=0.3, window_size=8, chunk_size=5),

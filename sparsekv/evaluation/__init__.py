@@ -1,8 +1,8 @@
 """`sparsekv eval` and `sparsekv report`: RULER-style long-context tasks, swept over presses and budgets.
 
 - `tasks`: the synthetic task generators, `prompts`: samples as chat-template tokens, `scoring`: RULER's metrics.
-- `presses`: presses by name (the registry's, and "full"), `runner`: the sweep (resumable, split over accelerate processes),
-  `results`: a run's files (config, prediction shards, merged predictions, metrics).
+- `presses`: presses by name (the registry's, and "full"), `runner`: the sweep (resumable, split over
+  accelerate processes), `results`: a run's files (config, prediction shards, merged predictions, metrics).
 - `report`: table and plot of a results folder, `hub`: optional RULER / LongBench data from the Hub.
 """
 

@@ -3,10 +3,10 @@
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
 from .h2o import H2OPress
+from .registry import make_press, press_class, registered
 from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
-from .registry import make_press, press_class, registered
 
 ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress

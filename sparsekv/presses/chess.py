@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
-from ..attention import rotate
-from ..cache import StoreLayer
+from ..attention import AttentionCall, rotate
+from ..cache import Forward, KVLayer, SparseCache, StoreLayer
 from ..press import Press, check_number
 from ..state import RowState
 
@@ -174,22 +174,22 @@ class CHESSPress(Press):
             return self.ratios
         return (self.ratio ** (1 / 3),) * 3
 
-    def new_layer(self, layer_idx):
+    def new_layer(self, layer_idx: int) -> StoreLayer:
         return StoreLayer(records_tokens=True)  # every token stays in the store; attention reads a working set
 
-    def new_state(self, cache):
+    def new_state(self, cache: SparseCache) -> CHESSState:
         ranks = [i for i, layer in enumerate(cache.layers) if isinstance(layer, StoreLayer)]
         return CHESSState(columns={i: r for r, i in enumerate(ranks)})
 
     # --- page vectors (eq. 1), brought up to date ----------------------------------------------------------------
-    def compress(self, cache, layer, call):
+    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         self._accumulate(cache, layer, call.module.layer_idx, 0, call.position_embeddings)
         cache.state.summed = layer.logical_len
         cache.state.last_rope = call.position_embeddings
 
-    def after_step(self, cache, layer, call):
+    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         state = cache.state
-        if self.pre_rope and state.columns[call.module.layer_idx] == 0:  # every compressed layer shares the rotary table
+        if self.pre_rope and state.columns[call.module.layer_idx] == 0:  # all compressed layers share the rotary table
             state.rope.append(call.position_embeddings)
             state.last_rope = call.position_embeddings
 
@@ -228,7 +228,7 @@ class CHESSPress(Press):
         state.page_sums[:, :, column: column + h * d].scatter_add_(
             1, page.clamp(min=0)[..., None].expand(-1, -1, h * d), keys)
 
-    def crop(self, cache, length):
+    def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: take its keys back out of the page sums if a selection summed them, forget their
         RoPE, and rebuild a working context planned with them."""
         state = cache.state
@@ -254,7 +254,7 @@ class CHESSPress(Press):
             state.plan = self.working_context(state.selected, length - start, start)
 
     # --- selection (Algorithm 1) and the working context ---------------------------------------------------------
-    def end_forward(self, cache, logits):
+    def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
         state = cache.state
         if state.page_sums is None:
             return
@@ -297,7 +297,8 @@ class CHESSPress(Press):
         always = exists & ((page < self.sink_pages) | (page >= complete - self.window_pages))
         return always, exists & ~always
 
-    def page_vectors(self, page_sums: torch.Tensor, lengths: torch.Tensor):
+    def page_vectors(self, page_sums: torch.Tensor, lengths: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page vectors `(batch, pages, D)` (eq. 1, centred if `centre`), the anchor `(batch, D)` (eq. 3) and
         the candidate pages `(batch, pages)`, for rows of `lengths` real tokens."""
         n_pages = int((-(-lengths // self.page_size)).max())
@@ -309,7 +310,8 @@ class CHESSPress(Press):
         window = always & (torch.arange(n_pages, device=lengths.device) >= self.sink_pages)
         return vectors, masked_mean(vectors, window, dim=1), candidate
 
-    def select(self, page_sums: torch.Tensor, lengths: torch.Tensor):
+    def select(self, page_sums: torch.Tensor, lengths: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
         `(batch, pages)`, for rows of `lengths` real tokens."""
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
@@ -334,7 +336,8 @@ class CHESSPress(Press):
         active = keep_chunk.repeat_interleave(self.chunk_pages, dim=1)[:, :n_pages] & candidate
         return keep_grid, keep_chunk, top_fraction(s_page, active, rho_p)
 
-    def working_context(self, selected, lengths, prompt_start):
+    def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store slots `(batch, n)` and validity of sink + selected + window pages + the partial page."""
         n_pages = int((-(-lengths // self.page_size)).max())
         always, _ = self.page_roles(lengths, n_pages)
@@ -349,10 +352,10 @@ class CHESSPress(Press):
         slots = (offsets + prompt_start.to(offsets.device)[:, None]).where(valid, 0)
         return slots, valid
 
-    def begin_forward(self, cache, forward):
+    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
         forward.plan, cache.state.plan = cache.state.plan, None  # a new working context for every layer
 
-    def before_attention(self, cache, layer, call):
+    def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if cache.forward.plan is not None:
             start = time.perf_counter()
             layer.gather(*cache.forward.plan)
@@ -360,7 +363,8 @@ class CHESSPress(Press):
 
     # --- calibration (sec. 3.3) ------------------------------------------------------------------------------
     @torch.no_grad()
-    def calibrate(self, model, tokenizer, texts, percentile: float = 99.0, max_tokens: int = 1024):
+    def calibrate(self, model: torch.nn.Module, tokenizer: Any, texts: list[str], percentile: float = 99.0,
+                  max_tokens: int = 1024) -> CHESSPress:
         """Set the re-selection thresholds to the `percentile` of entropy and varentropy over `texts`.
 
         Each text (at most `max_tokens` tokens) runs through `model` uncompressed; every position's next-token

@@ -8,7 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import KVLayer
+from ..attention import AttentionCall
+from ..cache import KVLayer, SparseCache
 from ..press import check_number
 from ..state import RowState
 from .snapkv import SnapKVPress
@@ -63,12 +64,12 @@ class ChunkPress(SnapKVPress):
         self.reuse_layers = check_number("ChunkPress", "reuse_layers", self.reuse_layers, integer=True, low=1,
                                          unit="layers")
 
-    def new_state(self, cache) -> ChunkState:
+    def new_state(self, cache: SparseCache) -> ChunkState:
         compressed = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
         leader = {i: compressed[rank - rank % self.reuse_layers] for rank, i in enumerate(compressed)}
         return ChunkState(leader)
 
-    def compress(self, cache, layer, call):
+    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache, *self.min_kept())
         if self.keeps_everything(cache):
             return
@@ -79,7 +80,8 @@ class ChunkPress(SnapKVPress):
         scores, kept = state.selection[state.leader[i]]
         layer.keep(scores.expand(-1, layer.keys.shape[1], -1), kept)
 
-    def select_chunks(self, scores, valid, start, budgets) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_chunks(self, scores: torch.Tensor, valid: torch.Tensor, start: torch.Tensor,
+                      budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token scores `(batch, 1, prompt)` that keep exactly the chosen chunks and the window, and how many
         tokens each row keeps `(batch,)`.
 

@@ -7,6 +7,8 @@ from typing import ClassVar
 
 import torch
 
+from ..attention import AttentionCall
+from ..cache import KVLayer, SparseCache
 from ..press import Press, check_number
 
 
@@ -41,14 +43,14 @@ class H2OPress(Press):
         self.block_size = check_number("H2OPress", "block_size", self.block_size, integer=True, low=1,
                                        unit="queries")
 
-    def heavy_scores(self, cache, layer) -> torch.Tensor:
+    def heavy_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Normalised received attention; the row's most recent tokens score +inf (always kept)."""
         seen_by = (layer.logical_len - layer.positions).clamp(min=1)
         scores = layer.extra["received"] / seen_by
         recent = (cache.budgets.to(scores.device).double() * self.recent_ratio).round().long()[:, None, None]
         return scores.masked_fill(layer.positions >= layer.logical_len - recent, float("inf"))
 
-    def compress(self, cache, layer, call):
+    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
         if self.keeps_everything(cache):
             return
@@ -58,7 +60,7 @@ class H2OPress(Press):
         scores = self.heavy_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
         layer.keep(scores, budgets)
 
-    def received(self, layer, call) -> torch.Tensor:
+    def received(self, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
         """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`."""
         b, h_kv, n, _ = layer.keys.shape
         if call.weights is not None:  # eager already materialised it; padding queries' rows are dropped
@@ -70,7 +72,7 @@ class H2OPress(Press):
             received[..., :end] += call.prefill_probs(layer.keys, start, end).sum(dim=(2, 3))
         return received
 
-    def after_step(self, cache, layer, call):
+    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if not layer.compressed:
             return
         if call.weights is not None:  # eager: (b, heads, q, slots), already masked

@@ -17,6 +17,7 @@ import logging
 import types
 import typing
 from importlib.metadata import entry_points
+from typing import Any
 
 from ..press import Press
 from .chess import CHESSPress
@@ -124,7 +125,7 @@ def check_spec(spec: str, **options) -> None:
         _build(cls, spec, {**options, **parsed}, None)
 
 
-def make_press(spec: str, tokenizer=None, **options) -> Press:
+def make_press(spec: str, tokenizer: Any = None, **options) -> Press:
     """The press `spec` (`name` or `name:key=value,...`); `options` are defaults the spec's own override (e.g.
     the ratio of a sweep). A press that reads text (SentenceKV) needs the model's `tokenizer`."""
     cls, parsed = parse_spec(spec)

@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..attention import rotate
-from ..cache import StoreLayer
+from ..attention import AttentionCall, rotate
+from ..cache import Forward, KVLayer, SparseCache, StoreLayer
 from ..press import check_number
-from ..state import RowState
 from ..segment import closes_sentence, sentence_ids
+from ..state import RowState
 from .snapkv import SnapKVPress
 
 
@@ -125,16 +125,16 @@ class SentencePress(SnapKVPress):
                              f"{self.offload_device!r}.") from None
         super().__post_init__()
 
-    def min_kept(self):
+    def min_kept(self) -> tuple[int, str]:
         return 1, "1 loaded token"
 
-    def new_layer(self, layer_idx):
+    def new_layer(self, layer_idx: int) -> StoreLayer:
         return StoreLayer(self.offload_device, state=SentenceLayerState())
 
-    def new_state(self, cache):
+    def new_state(self, cache: SparseCache) -> SentenceState:
         return SentenceState()
 
-    def begin_forward(self, cache, forward):
+    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
         if cache.state.sentences is None:  # the prompt
             cache.state.sentences = sentence_ids(self.tokenizer, forward.input_ids, forward.input_valid,
                                                  self.max_sentence_tokens)
@@ -144,7 +144,7 @@ class SentencePress(SnapKVPress):
         forward.plan = closing if bool(closing.any()) else None  # None: no layer has work to do
 
     # --- prefill ---------------------------------------------------------------------------------------------
-    def compress(self, cache, layer, call):
+    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         taus = self.row_budgets(cache, *self.min_kept())
         fixed = self.n_sinks + self.window_size
         if int(cache.prompt_lengths.min()) <= fixed:
@@ -183,7 +183,8 @@ class SentencePress(SnapKVPress):
         if self.prompt_sentence:
             self._seed_queries(cache, layer, call)
         layer.state.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
-        layer.state.slot_room = loading_room(layer.state.slot_sentence[:, :1], layer.state.sentence_sizes, layer.state.fill)
+        state = layer.state
+        state.slot_room = loading_room(state.slot_sentence[:, :1], state.sentence_sizes, state.fill)
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
         self._load(layer, self._chosen(layer))
 
@@ -245,7 +246,7 @@ class SentencePress(SnapKVPress):
         layer.state.query_sum += (call.queries(start, grouped=True).float() * last[:, None, start:, None]).sum(dim=2)
 
     # --- decoding --------------------------------------------------------------------------------------------
-    def on_queries(self, cache, layer, call):
+    def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if layer.store_keys is None:
             return
         start = time.perf_counter()
@@ -303,13 +304,13 @@ class SentencePress(SnapKVPress):
         layer.state.device_slot[row, head, slot] = target
         return slot.numel()
 
-    def after_step(self, cache, layer, call):
+    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         closing, state = cache.forward.plan, layer.state
         if state.query_sum is not None and closing is not None:
             state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
             state.query_sum[closing.to(state.query_sum.device)] = 0.0  # a new sentence starts
 
-    def crop(self, cache, length):
+    def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept
         token decides whether a sentence ends instead."""
         ids = cache.state.step_ids  # the last forward's tokens

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..attention import AttentionCall
+from ..cache import KVLayer, SparseCache
 from ..press import ScorerPress, check_number
 
 
@@ -45,10 +47,10 @@ class SnapKVPress(ScorerPress):
             raise ValueError(f"{type(self).__name__}: budget={self.budget} must be at least {what} (kept within "
                              "the budget).")
 
-    def min_kept(self):
+    def min_kept(self) -> tuple[int, str]:
         return self.window_size, f"window_size={self.window_size}"
 
-    def window_scores(self, cache, layer, call) -> torch.Tensor:
+    def window_scores(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
         """Observation-window attention received by each prompt token, `(batch, kv_heads, prompt)`, pooled.
 
         Shared with presses that build on SnapKV's scoring (ChunkKV, SentenceKV's prefilter). It depends on
@@ -68,5 +70,5 @@ class SnapKVPress(ScorerPress):
         scores[..., n - w :] = float("inf")
         return scores
 
-    def score(self, cache, layer, call):
+    def score(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
         return self.window_scores(cache, layer, call)

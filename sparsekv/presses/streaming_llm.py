@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import AttentionCall
+from ..cache import KVLayer, SparseCache
 from ..press import Press, check_number
 
 
@@ -31,18 +33,18 @@ class StreamingLLMPress(Press):
         if self.budget is not None and self.budget <= self.n_sinks:
             raise ValueError(f"StreamingLLMPress: budget={self.budget} must exceed n_sinks={self.n_sinks}.")
 
-    def recency(self, cache, layer) -> torch.Tensor:
+    def recency(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Newer is higher; sinks (each row's first real tokens) and filler slots are never evicted."""
         start = cache.prompt_start.to(layer.positions.device)[:, None, None]
         sink = layer.positions < start + self.n_sinks
         return layer.positions.float().masked_fill(sink, float("inf"))
 
-    def compress(self, cache, layer, call):
+    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache, self.n_sinks + 1, f"n_sinks={self.n_sinks} plus 1 recent token")
         if not self.keeps_everything(cache):
             scores = self.recency(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
             layer.keep(scores, budgets)
 
-    def after_step(self, cache, layer, call):
+    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if layer.compressed:
             self.hold_budget(cache, layer, self.recency(cache, layer))
