@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from .cache import cache_footprint
 from .demo import timed_generate
+from .environment import environment
 from .evaluation.presses import check_press, known_presses, make_press
 from .models import require
 from .niah import build_needle_prompt
@@ -352,7 +353,8 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
         plot_latency(rows, plot, title)
     if json_path:
         meta = {"title": title, "threads": torch.get_num_threads(), "device": str(model.device),
-                "max_new_tokens": max_new_tokens, "repeats": repeats}
+                "max_new_tokens": max_new_tokens, "repeats": repeats, "dtype": str(model.dtype).removeprefix("torch."),
+                "attn_implementation": model.config._attn_implementation, "environment": environment(model.device)}
         Path(json_path).write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return rows
 

@@ -144,6 +144,7 @@ def test_plot_and_json_written(measured):
     assert (out / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((out / "rows.json").read_text())
     assert saved["max_new_tokens"] == 6 and saved["repeats"] == 2
+    assert saved["dtype"] == "float32" and saved["environment"]["torch"] == torch.__version__
     assert [r["config"] for r in saved["rows"]] == [r["config"] for r in rows]
     assert statistics.median(saved["rows"][0]["curve"]) > 0
 

@@ -5,6 +5,7 @@ Everything runs offline on a byte-level BPE tokenizer trained in memory and tiny
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -14,10 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 from conftest import CHAT_TEMPLATE, make_model, save_model_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+import sparsekv
 from sparsekv.cli import main
 from sparsekv.evaluation import (
     TASKS,
@@ -27,6 +31,7 @@ from sparsekv.evaluation import (
     encode,
     format_report,
     hub,
+    load_and_evaluate,
     load_results,
     plot,
     runner,
@@ -211,6 +216,39 @@ def test_resume_refuses_other_settings(tmp_path, model, tokenizer):
     (run / "metrics.json").unlink()
     with pytest.raises(ValueError, match="other settings.*samples: 3 -> 5"):
         Evaluator(config(tmp_path, presses=["snapkv"], samples=5), model, tokenizer).run_all()
+
+
+def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path, model, tokenizer, monkeypatch):
+    cfg = config(tmp_path, presses=["snapkv"])
+    first = Evaluator(cfg, model, tokenizer).run_all()
+    answered = []
+    monkeypatch.setattr(runner, "answer", lambda *a, **k: answered.append(1) or "")
+    assert Evaluator(cfg, model, tokenizer).run_all() == first and not answered  # the same settings: reused
+    for overrides, difference in [({"samples": 5}, "samples: 3 -> 5"), ({"seed": 7}, "seed: 0 -> 7"),
+                                  ({"max_new_tokens": 4}, "max_new_tokens: 3 -> 4")]:
+        with pytest.raises(ValueError, match=f"holds a finished run made with other settings.*{difference}"):
+            Evaluator(config(tmp_path, presses=["snapkv"], **overrides), model, tokenizer).run_all()
+    with pytest.raises(ValueError, match="dtype: 'float32' -> 'bfloat16'"):
+        Evaluator(cfg, copy.deepcopy(model).to(torch.bfloat16), tokenizer).run_all()
+    assert not answered
+
+
+def test_a_finished_sweep_is_checked_before_it_is_reused_without_loading(tmp_path, model_dir):
+    cfg = config(tmp_path, model=str(model_dir), presses=["snapkv"], samples=2)
+    load_and_evaluate(cfg, distributed=False)
+    assert len(load_and_evaluate(cfg, distributed=False)) == 2  # full + snapkv, read back
+    with pytest.raises(ValueError, match="attn_implementation: 'sdpa' -> 'eager'"):
+        load_and_evaluate(cfg, distributed=False, attn_implementation="eager")
+
+
+def test_metrics_record_the_identity_and_the_environment(tmp_path, model, tokenizer):
+    metrics = Evaluator(config(tmp_path, presses=["snapkv"]), model, tokenizer).run_all()[-1]
+    assert metrics["identity"]["press"] == "snapkv" and metrics["identity"]["dtype"] == "float32"
+    assert metrics["identity"]["attn_implementation"] == "sdpa" and metrics["identity"]["device"] == "cpu"
+    env = metrics["environment"]
+    assert env["sparsekv"] == sparsekv.__version__ and env["torch"] == torch.__version__
+    assert env["transformers"] == transformers.__version__ and env["threads"] == torch.get_num_threads()
+    assert "git_commit" in env and env["device"] == "cpu"
 
 
 class FakeState:

@@ -64,13 +64,22 @@ def merge(directory: Path, config: dict) -> dict:
     return metrics
 
 
-def check_config(directory: Path, config: dict) -> None:
-    """Raise ValueError when `directory` holds an unfinished run made with other settings."""
-    path = directory / "config.json"
-    if not path.exists():
+def check_identity(directory: Path, identity: dict) -> None:
+    """Raise ValueError, naming every difference, when `directory` holds a run (finished or not) made with other
+    settings than `identity`: a stored run is reused only when all of its configuration matches."""
+    for name in ("metrics.json", "config.json"):
+        path = directory / name
+        if path.exists():
+            break
+    else:
         return
-    old = json.loads(path.read_text())
-    changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in config.items() if old.get(k) != v]
+    stored = json.loads(path.read_text()).get("identity")
+    if stored is None:
+        raise ValueError(f"{directory} holds a run made by an older sparsekv, without its settings recorded; "
+                         "delete it or choose another --out.")
+    changed = [f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in identity.items() if stored.get(k) != v]
+    changed += [f"{k}: {v!r} -> (not set)" for k, v in stored.items() if k not in identity]
     if changed:
-        raise ValueError(f"{directory} holds an unfinished run with other settings ({'; '.join(changed)}); "
+        state = "finished" if name == "metrics.json" else "unfinished"
+        raise ValueError(f"{directory} holds a {state} run made with other settings ({'; '.join(changed)}); "
                          "delete it or choose another --out.")

@@ -20,23 +20,24 @@ one process, as it expects MPI) or `torchrun --nproc_per_node 2 -m sparsekv eval
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..models import MODELS, require
+from ..environment import environment
+from ..models import MODELS, require, sha256_file
 from ..prefill import Prefill, generate_from
 from .hub import is_hub_task, load_hub_task
 from .presses import check_press, is_full, make_press
 from .prompts import Prompt, Sample, encode
-from .results import check_config, merge, open_shard, read_records, write_json
+from .results import check_identity, merge, open_shard, read_records, write_json
 from .scoring import score
 from .tasks import TASKS, read_haystack
 
@@ -135,6 +136,36 @@ def run_directory(config: EvalConfig, run: Run) -> Path:
     return Path(config.out) / model_slug(config.model) / run.task.replace(":", "_") / run.name
 
 
+def model_sha256(name: str) -> str | None:
+    """The sha256 of the model's weights when known without a download: an alias's, or a local file's."""
+    if name in MODELS:
+        return MODELS[name].sha256
+    path = Path(name).expanduser()
+    return file_sha256(path) if path.is_file() else None
+
+
+def file_sha256(path: Path) -> str:
+    """A file's sha256, computed once per file version (path, size, modification time)."""
+    stat = path.stat()
+    return _file_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime: int) -> str:
+    return sha256_file(Path(path))
+
+
+def run_identity(config: EvalConfig, run: Run, dtype, attn_implementation: str, device: str) -> dict:
+    """Everything that decides a run's results: a stored run is reused only when all of it matches."""
+    haystack = Path(config.haystack) if config.haystack else None
+    return {
+        "model": model_slug(config.model), "model_source": config.model, "model_sha256": model_sha256(config.model),
+        **asdict(run), "samples": config.samples, "seed": config.seed, "max_new_tokens": config.max_new_tokens,
+        "haystack_sha256": file_sha256(haystack) if haystack else None,
+        "dtype": str(dtype).removeprefix("torch."), "attn_implementation": attn_implementation, "device": device,
+    }
+
+
 def check_model_name(name: str) -> None:
     """Raise ValueError unless `name` is an alias, an existing path or a Hub id (`org/name`)."""
     if name not in MODELS and not Path(name).expanduser().exists() and "/" not in name:
@@ -172,9 +203,7 @@ class Evaluator:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.state = state or _SingleProcess()
         self.haystack = read_haystack(config.haystack) if config.haystack else None
-        self._haystack_hash = None
-        if config.haystack:
-            self._haystack_hash = hashlib.sha256(Path(config.haystack).read_bytes()).hexdigest()
+        self._haystack_hash = file_sha256(Path(config.haystack)) if config.haystack else None
         self._samples: dict[tuple[str, int], tuple[list[Sample], list[Prompt], int] | None] = {}
         limit = context_limit(model)
         for length in config.lengths:
@@ -208,11 +237,16 @@ class Evaluator:
     def directory(self, run: Run) -> Path:
         return run_directory(self.config, run)
 
+    def identity(self, run: Run) -> dict:
+        model = self.model
+        return run_identity(self.config, run, model.dtype, model.config._attn_implementation, str(model.device))
+
     def run_config(self, run: Run, n_samples: int, new_tokens: int) -> dict:
         c = self.config
         return {"model": model_slug(c.model), "model_source": c.model, **asdict(run), "samples": n_samples,
                 "seed": c.seed, "max_new_tokens": new_tokens, "haystack": c.haystack,
-                "haystack_sha256": self._haystack_hash}
+                "haystack_sha256": self._haystack_hash, "identity": self.identity(run),
+                "environment": environment(self.model.device)}
 
     def run_all(self) -> list[dict]:
         """Every run of the sweep (done ones read back); returns their metrics, in `config.runs()` order."""
@@ -227,6 +261,8 @@ class Evaluator:
     def run_group(self, runs: list[Run]) -> dict[Run, dict]:
         """The runs of one task and length, resumed if interrupted: each sample's prompt is run through the
         model once and every run's press answers from that one prefill. Returns metrics on the main process."""
+        for run in runs:  # a stored run, finished or not, is reused only when made with these settings
+            check_identity(self.directory(run), self.identity(run))
         pending = [run for run in runs if not (self.directory(run) / "metrics.json").exists()]
         finished = {} if not self.state.is_main_process else {
             run: json.loads((self.directory(run) / "metrics.json").read_text()) for run in runs if run not in pending}
@@ -238,7 +274,6 @@ class Evaluator:
         for run in pending:
             directory = self.directory(run)
             configs[run] = self.run_config(run, len(samples), new_tokens)
-            check_config(directory, configs[run])
             directory.mkdir(parents=True, exist_ok=True)
             if self.state.is_main_process:
                 write_json(directory / "config.json", configs[run])
@@ -295,7 +330,11 @@ def load_and_evaluate(config: EvalConfig, device_map=None, dtype=torch.float32, 
 
     check_model_name(config.model)
     done = [run_directory(config, run) / "metrics.json" for run in config.runs()]
-    if all(path.exists() for path in done):  # a finished sweep: nothing to load
+    device = "cpu" if device_map is None else str(torch.device(device_map[""])) if (
+        isinstance(device_map, dict) and list(device_map) == [""]) else None
+    if device is not None and all(path.exists() for path in done):  # a finished sweep: nothing to load
+        for run in config.runs():
+            check_identity(run_directory(config, run), run_identity(config, run, dtype, attn_implementation, device))
         return [json.loads(path.read_text()) for path in done]
     state = None
     if distributed:
