@@ -111,7 +111,7 @@ def _before_model(inst: Installation, module, args, kwargs):
     shape = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape
     draft = 0 if args else _draft_length(kwargs, cache, shape[1])  # generate passes keywords only
     if draft:
-        kwargs = _prefill_before_draft(inst, module, kwargs, key, draft)
+        kwargs = _prefill_before_draft(inst, module, kwargs, draft)
         inputs, shape = kwargs.get("input_ids"), (shape[0], draft)
     cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0])
     inst.running.cache = cache
@@ -132,22 +132,25 @@ def _draft_length(kwargs, cache: SparseCache, q: int) -> int:
 _PER_TOKEN = {"input_ids": -1, "position_ids": -1, "cache_position": -1, "inputs_embeds": -2}
 
 
-def _prefill_before_draft(inst: Installation, module, kwargs, key: str, draft: int) -> dict:
+def _prefill_before_draft(inst: Installation, module, kwargs, draft: int) -> dict:
     """Run the prompt alone first (compressed as in any generation), so the draft is verified against the
     compressed prompt, as tokens decoded one by one would be; the outer forward then runs the draft only. Its
     logits are joined after the prompt's last ones (`_after_model`), so the caller sees one forward."""
-    prompt = {k: (v.narrow(_PER_TOKEN[k], 0, v.shape[_PER_TOKEN[k]] - draft) if k in _PER_TOKEN and
-                  torch.is_tensor(v) else v) for k, v in kwargs.items()}
+    q = kwargs["input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"].shape[1]
+    prompt = _tokens(kwargs, 0, q - draft)
     mask = kwargs.get("attention_mask")
     if torch.is_tensor(mask) and mask.ndim == 2:
         prompt["attention_mask"] = mask[:, :-draft]
     prompt["logits_to_keep"] = 1
     logits = module(**prompt).logits  # re-enters these hooks: the prompt's forward, compressed
-    rest = {k: (v.narrow(_PER_TOKEN[k], v.shape[_PER_TOKEN[k]] - draft, draft) if k in _PER_TOKEN and
-                torch.is_tensor(v) else v) for k, v in kwargs.items()}
-    rest["logits_to_keep"] = draft
     inst.running.prompt_logits = logits[:, -1:]
-    return rest
+    return {**_tokens(kwargs, q - draft, draft), "logits_to_keep": draft}
+
+
+def _tokens(kwargs: dict, start: int, count: int) -> dict:
+    """`kwargs` with its per-token inputs (`_PER_TOKEN`) cut to the new tokens `start:start + count`."""
+    return {k: v.narrow(_PER_TOKEN[k], start, count) if k in _PER_TOKEN and torch.is_tensor(v) else v
+            for k, v in kwargs.items()}
 
 
 def _fresh_default(cache) -> bool:

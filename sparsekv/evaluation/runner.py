@@ -203,7 +203,6 @@ class Evaluator:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.state = state or _SingleProcess()
         self.haystack = read_haystack(config.haystack) if config.haystack else None
-        self._haystack_hash = file_sha256(Path(config.haystack)) if config.haystack else None
         self._samples: dict[tuple[str, int], tuple[list[Sample], list[Prompt], int] | None] = {}
         limit = context_limit(model)
         for length in config.lengths:
@@ -242,10 +241,10 @@ class Evaluator:
         return run_identity(self.config, run, model.dtype, model.config._attn_implementation, str(model.device))
 
     def run_config(self, run: Run, n_samples: int, new_tokens: int) -> dict:
-        c = self.config
+        c, identity = self.config, self.identity(run)
         return {"model": model_slug(c.model), "model_source": c.model, **asdict(run), "samples": n_samples,
                 "seed": c.seed, "max_new_tokens": new_tokens, "haystack": c.haystack,
-                "haystack_sha256": self._haystack_hash, "identity": self.identity(run),
+                "haystack_sha256": identity["haystack_sha256"], "identity": identity,
                 "environment": environment(self.model.device)}
 
     def run_all(self) -> list[dict]:
