@@ -142,6 +142,50 @@ def test_user_haystack(tokenizer, tmp_path):
     assert sample.context.count(sample.answers[0]) == 1
 
 
+# --- prose needle tasks ----------------------------------------------------------------------------------------
+PROSE_VALUE = {"prose_number": r"\d{7}", "prose_code": r"[A-Z0-9]{3}-[A-Z0-9]{4}",
+               "prose_name": r"[A-Z]\w+(?: [A-Z]\w+){1,2}", "prose_multikey": r"[A-Z0-9]{3}-[A-Z0-9]{4}"}
+
+
+@pytest.mark.parametrize("task", list(PROSE_VALUE))
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_prose_needle_at_its_depth_in_real_text(tokenizer, task, depth):
+    sample = TASKS[task].make(tokenizer, 1200, seed=4, depth=depth)
+    assert TASKS[task].family == "prose"
+    (answer,) = sample.answers
+    assert re.fullmatch(PROSE_VALUE[task], answer) and sample.context.count(answer) == 1
+    if task in ("prose_code", "prose_multikey"):  # letters and digits in each part of the code
+        assert all(re.search("[A-Z]", part) and re.search("[0-9]", part) for part in answer.split("-"))
+    haystack = sample.context.split("\n\n", 1)[1]
+    needle = next(s for s in re.split(r"(?<=\.) ", haystack) if answer in s)
+    assert abs(haystack.index(needle) / (len(haystack) - len(needle)) - depth) < 0.05
+    key = re.search(r"the (\w+) (?:report|archive|project)", sample.question).group(1)
+    assert key in needle and sample.answer_prefix.endswith(("is", "by"))
+    # the rest is the reference manual's running text, without its grammar rules and code blocks
+    from sparsekv.evaluation.prose import prose_sentences
+
+    prose = " ".join(prose_sentences())
+    needles = r"The (?:access code|reference number) of the \w+ \w+ is [\w-]+\.|The \w+ project was led by [\w ]+\."
+    assert all(part.strip() in prose for part in re.split(needles, haystack)) and "::=" not in prose
+
+
+def test_prose_multikey_has_three_distractors(tokenizer):
+    sample = TASKS["prose_multikey"].make(tokenizer, 1200, seed=2, depth=0.3)
+    codes = re.findall(r"The access code of the (\w+) archive is ([A-Z0-9]{3}-[A-Z0-9]{4})\.", sample.context)
+    assert len(codes) == 4 and len({k for k, _ in codes}) == 4 and len({v for _, v in codes}) == 4
+    asked = dict(codes)[re.search(r"the (\w+) archive", sample.question).group(1)]
+    assert sample.answers == [asked]
+
+
+def test_prose_passages_differ_between_samples_and_follow_a_haystack_file(tokenizer, tmp_path):
+    a, b = (TASKS["prose_code"].make(tokenizer, 800, seed=s, depth=0.5) for s in (0, 1))
+    assert a.context.split("\n\n", 1)[1][:200] != b.context.split("\n\n", 1)[1][:200]  # other places in the text
+    path = tmp_path / "story.txt"
+    path.write_text("The lighthouse keeper counted the ships. " * 20 + "Fog rolled in from the sea. " * 20)
+    sample = TASKS["prose_code"].make(tokenizer, 800, seed=0, depth=0.5, haystack=read_haystack(path))
+    assert "lighthouse keeper" in sample.context and "Python" not in sample.context
+
+
 def test_prompt_split_is_the_chat_template(tokenizer):
     sample = Sample("Some context here.", "What is it?", ["x"], "all", "It is")
     prompt = encode(tokenizer, sample)

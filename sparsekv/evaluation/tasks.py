@@ -1,4 +1,5 @@
-"""RULER-style synthetic tasks, generated locally at a length in model tokens.
+"""RULER-style synthetic tasks, generated locally at a length in model tokens, and the prose needle tasks
+(`prose`) registered beside them.
 
 Each task is a function `(tokenizer, length, seed, depth, haystack) -> Sample`:
 - `length`: the whole prompt (chat template, question and answer prefix included) in the tokenizer's tokens,
@@ -241,10 +242,15 @@ def frequent_words(tokenizer, length, seed=0, depth=None, haystack=None, alpha: 
 
 @dataclass(frozen=True)
 class Task:
-    """A task generator and its generation budget (new tokens, enough for its answers)."""
+    """A task generator, its generation budget (new tokens, enough for its answers) and its family.
+
+    The family keeps tasks apart in reports: "ruler" (the noise haystack, unless `--haystack` replaces it) and
+    "prose" (needles in real text, `prose`).
+    """
 
     make: Callable[..., Sample]
     max_new_tokens: int
+    family: str = "ruler"
 
 
 TASKS: dict[str, Task] = {
@@ -257,3 +263,12 @@ TASKS: dict[str, Task] = {
     "frequent_words": Task(frequent_words, 48),
     "passkey": Task(passkey, 16),
 }
+
+
+def _add_prose_tasks() -> None:
+    from .prose import PROSE_TASKS  # imported here: prose builds on this module's fit_length and weave
+
+    TASKS.update({name: Task(make, tokens, "prose") for name, (make, tokens) in PROSE_TASKS.items()})
+
+
+_add_prose_tasks()
