@@ -3,10 +3,14 @@
 For needle prompts at several depths, the prompt runs once under `CHESSPress` for each way of building the
 page vectors (keys before or after RoPE) and scoring them (centred or eq. 4 as written); the script scores
 every candidate page against the anchor as the press does and prints where the page holding the needle's
-number ranks (0 = best), and whether the press selected it.
+value ranks (0 = best), and whether the press selected it. With the press's defaults it also says where the
+selection lost the needle: its grid or its chunk not kept by Algorithm 1's upper levels, or the value's last
+token in the next page (a value cut by a page boundary), and that page's fate.
 
     PYTHONPATH=. python benchmarks/chess_affinity.py --model smollm2-135m --length 4096 --depths 0.1,0.5,0.9
     PYTHONPATH=. python benchmarks/chess_affinity.py --task niah_multikey --depths 0.1,0.3,0.5,0.7,0.9
+    PYTHONPATH=. python benchmarks/chess_affinity.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 \
+        --samples 8 --variants press
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from sparsekv.evaluation.tasks import TASKS
 from sparsekv.models import load_model
 from sparsekv.table import format_table
 
-VARIANTS = [(True, True), (True, False), (False, True), (False, False)]  # (pre_rope, centre)
+VARIANTS = [(True, True), (True, False), (False, True), (False, False)]  # (pre_rope, centre); the first: defaults
+VALUES = r"is: (\d+)|archive is ([A-Z0-9]{3}-[A-Z0-9]{4})\."  # needle values in niah and prose_multikey prompts
 
 
 def needle_token(tokenizer, prompt_ids: torch.Tensor, answer: str) -> int:
@@ -36,14 +41,16 @@ def needle_token(tokenizer, prompt_ids: torch.Tensor, answer: str) -> int:
 
 
 @torch.no_grad()
-def page_scores(model, ids: torch.Tensor, press: CHESSPress) -> tuple[torch.Tensor, torch.Tensor]:
+def page_scores(model, ids: torch.Tensor, press: CHESSPress):
     """Eq. 4 score of every page after the prompt `ids` (-inf for pages that are not candidates), and the
-    pages the press selected."""
+    grids, chunks and pages Algorithm 1 kept."""
     with press(model):
         out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
-    state = out.cache.state
-    vectors, anchor, candidate = press.page_vectors(state.page_sums, torch.tensor([ids.shape[1]]))
-    return (vectors @ anchor[..., None])[0, :, 0].masked_fill(~candidate[0], float("-inf")), state.selected[0]
+    state, lengths = out.cache.state, torch.tensor([ids.shape[1]])
+    vectors, anchor, candidate = press.page_vectors(state.page_sums, lengths)
+    grids, chunks, pages = press.select(state.page_sums, lengths)
+    scores = (vectors @ anchor[..., None])[0, :, 0].masked_fill(~candidate[0], float("-inf"))
+    return scores, grids[0], chunks[0], pages[0]
 
 
 def rank(scores: torch.Tensor, page: int) -> int:
@@ -55,29 +62,49 @@ def main(argv=None):
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--depths", default="0.1,0.5,0.9")
-    parser.add_argument("--preset", default="aggressive")
-    parser.add_argument("--task", default="niah_single", choices=["niah_single", "niah_multikey"],
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--preset", default="aggressive")
+    budget.add_argument("--ratio", type=float, help="CHESSPress(ratio=...) instead of a preset")
+    parser.add_argument("--task", default="niah_single",
+                        choices=["niah_single", "niah_multikey", *[t for t in TASKS if t.startswith("prose")]],
                         help="multikey: also the ranks of the three distractor needles' pages")
+    parser.add_argument("--pooling", choices=["mean", "max"], default="mean", help="CHESSPress(pooling=...)")
+    parser.add_argument("--samples", type=int, default=1, help="samples (seeds) per depth (default: 1)")
+    parser.add_argument("--variants", choices=["all", "press"], default="all",
+                        help="all: the four ways of building page vectors; press: the defaults only")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
+    budget = {"ratio": args.ratio} if args.ratio is not None else {"preset": args.preset}
+    budget["pooling"] = args.pooling
+    variants = VARIANTS if args.variants == "all" else VARIANTS[:1]
     rows = []
-    for depth in tqdm([float(d) for d in args.depths.split(",")], desc="depths"):
-        sample = TASKS[args.task].make(tokenizer, args.length, 0, depth, None)
+    points = [(float(d), seed) for d in args.depths.split(",") for seed in range(args.samples)]
+    for depth, seed in tqdm(points, desc="samples"):
+        sample = TASKS[args.task].make(tokenizer, args.length, seed, depth, None)
         ids = encode(tokenizer, sample).ids
-        page = needle_token(tokenizer, ids, sample.answers[0]) // 32
-        row = {"depth": depth, "needle page": page, "pages": -(-ids.shape[1] // 32)}
-        distractors = [needle_token(tokenizer, ids, v) // 32 for v in re.findall(r"is: (\d+)", sample.context)
-                       if v != sample.answers[0]]
-        for pre_rope, centre in VARIANTS:
-            press = CHESSPress(preset=args.preset, reselect="never", pre_rope=pre_rope, centre=centre)
-            scores, selected = page_scores(model, ids, press)
+        first = needle_token(tokenizer, ids, sample.answers[0])
+        last = needle_token(tokenizer, ids, sample.answers[0] + sample.context[sample.context.index(
+            sample.answers[0]) + len(sample.answers[0])])  # the token after the value's last character
+        page, end_page = first // 32, (last - 1) // 32
+        row = {"depth": depth, "seed": seed, "needle page": page, "pages": -(-ids.shape[1] // 32)}
+        distractors = [needle_token(tokenizer, ids, v) // 32 for m in re.findall(VALUES, sample.context)
+                       for v in m if v and v != sample.answers[0]]
+        for pre_rope, centre in variants:
+            press = CHESSPress(**budget, reselect="never", pre_rope=pre_rope, centre=centre)
+            scores, grids, chunks, selected = page_scores(model, ids, press)
             label = f"{'pre' if pre_rope else 'post'}-RoPE{', centred' if centre else ''}"
             row[label] = f"{rank(scores, page)}{' (selected)' if selected[page] else ''}"
-            if distractors and pre_rope and centre:  # the press's defaults
-                row["distractor pages' ranks"] = " ".join(str(rank(scores, d)) for d in distractors)
-                row["best page"] = int(scores.argmax())
+            if (pre_rope, centre) == VARIANTS[0]:  # the press's defaults: where the selection lost the needle
+                per_grid = press.chunk_pages * press.grid_chunks
+                row["grid kept"] = "yes" if grids[page // per_grid] else "no"
+                row["chunk kept"] = "yes" if chunks[page // press.chunk_pages] else "no"
+                row["value ends in"] = "same page" if end_page == page else (
+                    f"next ({rank(scores, end_page)}{', selected' if end_page < len(selected) and selected[end_page] else ''})")
+                if distractors:
+                    row["distractor pages' ranks"] = " ".join(str(rank(scores, d)) for d in distractors)
+                    row["best page"] = int(scores.argmax())
         rows.append(row)
-    print(f"{args.model}, {args.length} tokens, preset {args.preset}: rank of the needle's page (0 = best)")
+    print(f"{args.model}, {args.length} tokens, {args.task}, {budget}: rank of the needle's page (0 = best)")
     print(format_table(rows, [(k, k, ".2f" if k == "depth" else "") for k in rows[0]]))
 
 

@@ -157,6 +157,9 @@ def _eval(args: argparse.Namespace) -> int:
 def _report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("results_dir", metavar="RESULTS_DIR", help="the --out folder of sparsekv eval")
     parser.add_argument("--plot", help="PNG to write (default: RESULTS_DIR/accuracy.png)")
+    parser.add_argument("--format", choices=("text", "md", "csv", "json"), default="text",
+                        help="text or md: a table per task family; csv or json: one record per run, with its "
+                        "95%% interval (default: %(default)s)")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -168,9 +171,10 @@ def _report(args: argparse.Namespace) -> int:
         results = load_results(args.results_dir)
     except ValueError as err:
         args.parser.error(str(err))
-    print(format_report(results))
+    print(format_report(results, args.format))
     path = plot(results, args.plot or pathlib.Path(args.results_dir) / "accuracy.png")
-    print(f"plot: {path}")
+    if args.format in ("text", "md"):  # csv and json stay parseable
+        print(f"plot: {path}")
     return 0
 
 

@@ -6,6 +6,7 @@ Everything runs offline on a byte-level BPE tokenizer trained in memory and tiny
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import re
@@ -340,7 +341,7 @@ def test_press_errors_are_recorded_not_raised(tmp_path, model, tokenizer):
 
 
 # --- report ----------------------------------------------------------------------------------------------------
-def synthetic_results(root: Path) -> None:
+def synthetic_results(root: Path, tasks=(("niah_single", 100.0), ("passkey", 90.0))) -> None:
     def write(task, press, ratio, mode, score):
         run = root / "m" / task / f"{press}_{ratio}_1000_{mode}"
         run.mkdir(parents=True)
@@ -348,7 +349,7 @@ def synthetic_results(root: Path) -> None:
                        samples=2, score=score, errors=0, kv_fraction=ratio, prompt_tokens=1000)
         (run / "metrics.json").write_text(json.dumps(metrics))
 
-    for task, base in (("niah_single", 100.0), ("passkey", 90.0)):
+    for task, base in tasks:
         write(task, "full", 1.0, "question", base)
         for ratio in (0.5, 0.1):
             for mode in ("question", "agnostic"):
@@ -359,13 +360,45 @@ def test_report_table_and_plot(tmp_path):
     synthetic_results(tmp_path)
     table = format_report(load_results(tmp_path))
     lines = table.splitlines()
-    assert lines[0].split() == ["model", "length", "mode", "press", "kept", "KV", "kept", "niah_single", "passkey",
-                                "mean", "errors"]
-    assert lines[2].split() == ["m", "1000", "-", "full", "1", "1.00", "100.0", "90.0", "95.0", "0"]
-    assert lines[3].split() == ["m", "1000", "question", "snapkv", "0.5", "0.50", "50.0", "45.0", "47.5", "0"]
-    assert len(lines) == 2 + 5
+    assert lines[0].startswith("ruler tasks:")
+    assert lines[1].split() == ["model", "length", "mode", "press", "kept", "KV", "kept", "niah_single", "passkey",
+                                "mean", "95%", "CI", "n", "errors"]
+    assert lines[3].split()[:9] == ["m", "1000", "-", "full", "1", "1.00", "100.0", "90.0", "95.0"]
+    assert lines[4].split()[:9] == ["m", "1000", "question", "snapkv", "0.5", "0.50", "50.0", "45.0", "47.5"]
+    assert lines[3].split()[9:] == ["[46,", "100]", "2", "0"] and len(lines) == 3 + 5  # mean 95% of 4 pooled samples
     path = plot(load_results(tmp_path), tmp_path / "acc.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_keeps_task_families_apart(tmp_path):
+    synthetic_results(tmp_path, tasks=(("niah_single", 100.0), ("prose_code", 50.0)))
+    text = format_report(load_results(tmp_path))
+    prose, ruler = text.split("\n\n")  # families in alphabetical order
+    assert ruler.startswith("ruler tasks") and "niah_single" in ruler and "prose_code" not in ruler
+    assert prose.startswith("prose tasks") and "prose_code" in prose and "niah_single" not in prose
+    full = next(line.split() for line in prose.splitlines() if " full " in line)
+    assert full[6:8] == ["50.0", "50.0"]  # the prose mean is prose_code's alone, not averaged with niah_single
+    from sparsekv.evaluation.report import figure
+
+    titles = [ax.get_title() for ax in figure(load_results(tmp_path)).axes]
+    assert len(titles) == 2 and "prose tasks" in titles[0] and "ruler tasks" in titles[1]
+
+
+def test_report_formats(tmp_path):
+    import pandas as pd
+
+    synthetic_results(tmp_path)
+    results = load_results(tmp_path)
+    md = format_report(results, "md").splitlines()
+    assert md[0].startswith("### ruler tasks") and md[2].startswith("| model | length |") and md[3].startswith("| ---")
+    runs = pd.read_csv(io.StringIO(format_report(results, "csv")))
+    assert len(runs) == 10 and {"family", "task", "score", "low", "high", "samples"} <= set(runs.columns)
+    full = runs[(runs.press == "full") & (runs.task == "niah_single")].iloc[0]
+    assert full.score == 100 and 34 < full.low < 35 and full.high == 100  # 2 of 2: Wilson [34.2, 100]
+    records = json.loads(format_report(results, "json"))
+    assert len(records) == 10 and records[0]["family"] == "ruler"
+    with pytest.raises(ValueError, match="--format"):
+        format_report(results, "xlsx")
 
 
 def test_wilson_interval():

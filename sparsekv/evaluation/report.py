@@ -1,10 +1,15 @@
-"""`sparsekv report`: the results of `sparsekv eval` as a table and a plot.
+"""`sparsekv report`: the results of `sparsekv eval` as tables, a plot, and machine-readable files.
 
-The table has one row per model, length, mode, press and amount kept, one column per task (scores in %),
-their mean (only when every task of the table has a score: a missing task is shown as missing, never averaged
-away), and the number of samples the press could not run (counted wrong). The plot shows, per model and
-length, the mean score against the fraction of the KV cache kept, with its 95% Wilson interval over the pooled
-samples: one line per press (dashed for question-agnostic runs), the full cache as a horizontal band.
+Every run (`metrics.json`) becomes one record of a pandas frame (`frame`). Tasks are grouped into families that
+never share a table or a mean: "ruler" (the noise haystack), "prose" (needles in real text), a Hub source
+(`ruler:...`, `longbench:...`), and a family run on a `--haystack FILE` is named with that file. Per family, the
+table is a pivot: one row per model, length, mode, press and amount kept, one column per task (score in %),
+their mean with its 95% Wilson interval over the pooled samples, the samples per task and the samples the press
+could not run (counted wrong). A missing task is shown as missing, and its row has no mean: a mean over the
+tasks a row happens to have would compare rows on different tasks.
+
+The plot shows, per model, length and family, the mean score against the fraction of the KV cache kept with its
+interval: one line per press (dashed for question-agnostic runs), the full cache as a horizontal band.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ from __future__ import annotations
 import json
 import math
 import textwrap
-from collections import defaultdict
 from pathlib import Path
 
 from ..models import require
 from ..table import format_table
+
+FORMATS = ("text", "md", "csv", "json")
 
 
 def load_results(directory: str | Path) -> list[dict]:
@@ -30,33 +36,6 @@ def load_results(directory: str | Path) -> list[dict]:
     return results
 
 
-def _kept(m: dict) -> str:
-    return f"b{m['budget']}" if m.get("budget") is not None else f"{m['ratio']:g}"
-
-
-def _rows(results: list[dict]) -> tuple[list[dict], list[str]]:
-    """Table rows (one per model, length, mode, press, kept) with a score per task and their mean."""
-    tasks = sorted({m["task"] for m in results})
-    rows: dict[tuple, dict] = {}
-    for m in results:
-        mode = "-" if m["press"] == "full" else m["mode"]  # the full cache does not depend on the mode
-        amount = (1, -m["budget"]) if m.get("budget") is not None else (0, -m["ratio"])  # most kept first
-        key = (m["model"], m["length"], m["press"] != "full", m["press"], mode != "question", amount)
-        row = rows.setdefault(key, {"model": m["model"], "length": m["length"], "mode": mode, "press": m["press"],
-                                    "kept": _kept(m), "kv": [], "errors": 0, "samples": 0,
-                                    **{t: None for t in tasks}})
-        row[m["task"]] = m["score"]
-        row["kv"].append(m["kv_fraction"])
-        row["errors"] += m.get("errors", 0)
-        row["samples"] += m.get("samples", 0)
-    ordered = [rows[k] for k in sorted(rows)]
-    for row in ordered:
-        scores = [row[t] for t in tasks]
-        row["mean"] = None if None in scores else sum(scores) / len(scores)
-        row["kv"] = sum(row["kv"]) / len(row["kv"])
-    return ordered, tasks
-
-
 def wilson(score: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """The 95% Wilson interval (in %) of an accuracy `score` (in %) measured on `n` samples."""
     if n <= 0:
@@ -67,13 +46,107 @@ def wilson(score: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return 100 * max(0.0, centre - half), 100 * min(1.0, centre + half)
 
 
-def format_report(results: list[dict]) -> str:
-    """The results as a plain-text table (scores in %)."""
-    rows, tasks = _rows(results)
-    columns = [("model", "model", ""), ("length", "length", "d"), ("mode", "mode", ""), ("press", "press", ""),
-               ("kept", "kept", ""), ("KV kept", "kv", ".2f")]
-    columns += [(t, t, ".1f") for t in tasks] + [("mean", "mean", ".1f"), ("errors", "errors", "d")]
-    return format_table(rows, columns)
+def family(metrics: dict) -> str:
+    """The task family of a run: its task's ("ruler", "prose"), a Hub source, and the haystack file if any."""
+    from .tasks import TASKS
+
+    task = metrics["task"]
+    name = TASKS[task].family if task in TASKS else task.split(":")[0] + " (Hub)"
+    haystack = metrics.get("haystack")
+    return f"{name}, haystack {Path(haystack).name}" if haystack else name
+
+
+def frame(results: list[dict]):
+    """One row per run: model, length, family, task, mode ("-" for the full cache, which has none), press, kept,
+    kv (fraction of the KV kept), score (%), samples, errors, and the score's 95% Wilson interval (low, high)."""
+    require("pandas", "eval", "to report results")
+    import pandas as pd
+
+    records = []
+    for m in results:
+        low, high = wilson(m["score"], m.get("samples", 0))
+        budget = m.get("budget")
+        records.append({
+            "model": m["model"], "length": m["length"], "family": family(m), "task": m["task"],
+            "mode": "-" if m["press"] == "full" else m["mode"], "press": m["press"],
+            "kept": f"b{budget}" if budget is not None else f"{m['ratio']:g}", "kv": m["kv_fraction"],
+            "score": m["score"], "samples": m.get("samples", 0), "errors": m.get("errors", 0),
+            "low": low, "high": high,
+            # sort keys: the full cache first, question before agnostic, most kept first
+            "_order": (m["press"] != "full", m["press"], m["mode"] != "question",
+                       (1, -budget) if budget is not None else (0, -m["ratio"])),
+        })
+    records.sort(key=lambda r: (r["model"], r["length"], r["family"], r["task"], r["_order"]))
+    return pd.DataFrame.from_records(records)
+
+
+def tables(results: list[dict]) -> dict:
+    """Per family, the pivot of its runs: index (model, length, mode, press, kept), a column per task, then
+    "KV kept", "mean", "low", "high" (the mean's interval), "samples" (per task) and "errors"."""
+    runs = frame(results)
+    keys = ["model", "length", "mode", "press", "kept"]
+    out = {}
+    for name, group in runs.groupby("family", sort=True):
+        scores = group.pivot_table(index=keys, columns="task", values="score", aggfunc="first", dropna=False)
+        scores = scores.dropna(how="all")
+        tasks = list(scores.columns)
+        summary = group.groupby(keys).agg(kv=("kv", "mean"), n=("samples", "sum"), errors=("errors", "sum"),
+                                          order=("_order", "first"))
+        table = scores.join(summary)
+        table["mean"] = scores.mean(axis=1, skipna=False)  # missing when a task is missing
+        complete = table["mean"].notna()
+        table["samples"] = (table["n"] / table[tasks].notna().sum(axis=1)).round().astype(int)
+        intervals = [wilson(mean, n) if ok else (math.nan, math.nan)
+                     for mean, n, ok in zip(table["mean"], table["n"], complete)]
+        table["low"], table["high"] = [i[0] for i in intervals], [i[1] for i in intervals]
+        table = table.rename(columns={"kv": "KV kept"})
+        table = table.iloc[sorted(range(len(table)), key=lambda i: (table.index[i][:2], table["order"].iloc[i]))]
+        out[name] = table[[*tasks, "KV kept", "mean", "low", "high", "samples", "errors"]]
+    return out
+
+
+def _records(table) -> list[dict]:
+    """A pivot's rows as dicts, missing values as None (shown as "-")."""
+    rows = []
+    for index, row in table.reset_index().iterrows():
+        rows.append({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()})
+    for row in rows:
+        row["ci"] = None if row["low"] is None else f"[{row['low']:.0f}, {row['high']:.0f}]"
+    return rows
+
+
+def _columns(table) -> list[tuple[str, str, str]]:
+    tasks = [c for c in table.columns if c not in ("KV kept", "mean", "low", "high", "samples", "errors")]
+    return ([("model", "model", ""), ("length", "length", "d"), ("mode", "mode", ""), ("press", "press", ""),
+             ("kept", "kept", ""), ("KV kept", "KV kept", ".2f")] + [(t, t, ".1f") for t in tasks]
+            + [("mean", "mean", ".1f"), ("95% CI", "ci", ""), ("n", "samples", "d"), ("errors", "errors", "d")])
+
+
+def _markdown(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    numeric = {key for _, key, spec in columns if spec}
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |",
+             "| " + " | ".join("---:" if key in numeric else "---" for _, key, _ in columns) + " |"]
+    for row in rows:
+        cells = [format(row[key], spec) if row[key] is not None else "-" for _, key, spec in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_report(results: list[dict], fmt: str = "text") -> str:
+    """The results as text ("text", "md": a table per task family; scores in %) or data ("csv", "json": one
+    record per run with its family and the 95% Wilson interval of its score)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format: must be one of {', '.join(FORMATS)}; got {fmt!r}.")
+    if fmt in ("csv", "json"):
+        runs = frame(results).drop(columns="_order")
+        return runs.to_csv(index=False) if fmt == "csv" else runs.to_json(orient="records", indent=1)
+    parts = []
+    for name, table in tables(results).items():
+        rows, columns = _records(table), _columns(table)
+        heading = f"{name} tasks: score in %, mean over the tasks with its 95% Wilson interval, n samples per task"
+        body = format_table(rows, columns) if fmt == "text" else _markdown(rows, columns)
+        parts.append(f"### {heading}\n\n{body}" if fmt == "md" else f"{heading}\n{body}")
+    return "\n\n".join(parts)
 
 
 def plot(results: list[dict], path: str | Path) -> Path:
@@ -84,45 +157,43 @@ def plot(results: list[dict], path: str | Path) -> Path:
 
 
 def figure(results: list[dict]):
-    """The score-vs-KV-kept plot as a matplotlib `Figure`: a panel per model and length."""
+    """The score-vs-KV-kept plot as a matplotlib `Figure`: a panel per model, length and task family."""
     require("matplotlib", "plot", "to draw plots")
     from matplotlib.figure import Figure
 
-    rows, tasks = _rows(results)
-    panels = defaultdict(list)
-    for row in rows:
-        if row["mean"] is not None:  # a row missing a task has no mean to plot
-            panels[(row["model"], row["length"])].append(row)
+    panels = []
+    for name, table in tables(results).items():
+        rows = [row for row in _records(table) if row["mean"] is not None]  # a row missing a task has no mean
+        tasks = list(table.columns[: list(table.columns).index("KV kept")])
+        for model, length in sorted({(row["model"], row["length"]) for row in rows}):
+            panels.append((name, model, length, tasks, [r for r in rows if (r["model"], r["length"]) == (model, length)]))
     fig = Figure(figsize=(6.5 * len(panels), 4.8))
     axes = fig.subplots(1, len(panels), squeeze=False)
-    for ax, ((model, length), panel) in zip(axes[0], sorted(panels.items())):
-        lines, low, high = defaultdict(list), [], []
+    for ax, (name, model, length, tasks, panel) in zip(axes[0], panels):
+        lines = {}
         for row in panel:
-            lo, hi = wilson(row["mean"], row["samples"])
-            low.append(lo), high.append(hi)
             if row["press"] == "full":
                 ax.axhline(row["mean"], color="black", linestyle=":", label="full cache")
-                ax.axhspan(lo, hi, color="black", alpha=0.08)
+                ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
             else:
-                lines[(row["press"], row["mode"])].append((row["kv"], row["mean"], lo, hi))
+                lines.setdefault((row["press"], row["mode"]), []).append(
+                    (row["KV kept"], row["mean"], row["low"], row["high"]))
         colors = {press: f"C{i}" for i, press in enumerate(sorted({press for press, _ in lines}))}
         kv = [x for points in lines.values() for x, *_ in points] or [1.0]
         span = max(max(kv) - min(kv), 0.02)
         for i, (press, mode) in enumerate(sorted(lines, key=lambda key: (key[0], key[1] != "question"))):
             xs, ys, los, his = zip(*sorted(lines[press, mode]))
             dodge = (i - (len(lines) - 1) / 2) * 0.006 * span  # lines side by side, so their bars do not overlap
-            xs = [x + dodge for x in xs]
-            label = press if mode == "question" else f"{press} ({mode})"
-            ax.errorbar(xs, ys, yerr=[[y - lo for y, lo in zip(ys, los)], [hi - y for y, hi in zip(ys, his)]],
+            ax.errorbar([x + dodge for x in xs], ys,
+                        yerr=[[y - lo for y, lo in zip(ys, los)], [hi - y for y, hi in zip(ys, his)]],
                         marker="o", capsize=3, color=colors[press], linestyle="-" if mode == "question" else "--",
-                        label=label)
-        n = max(row["samples"] for row in panel) // len(tasks)
-        title = (f"{model}, {length} tokens: mean over {len(tasks)} task{'s' * (len(tasks) > 1)}, {n} samples each "
-                 f"({', '.join(tasks)}); bars: 95% Wilson interval")
-        ax.set(title=textwrap.fill(title, 80),
-               xlabel="fraction of the KV cache kept", ylabel="mean score (%)",
+                        label=press if mode == "question" else f"{press} ({mode})")
+        n = max(row["samples"] for row in panel)
+        title = (f"{model}, {length} tokens, {name} tasks: mean over {len(tasks)} task{'s' * (len(tasks) > 1)}, "
+                 f"{n} samples each ({', '.join(tasks)}); bars: 95% Wilson interval")
+        ax.set(title=textwrap.fill(title, 80), xlabel="fraction of the KV cache kept", ylabel="mean score (%)",
                xlim=(max(0.0, min(kv) - 0.1 * span), max(kv) + 0.1 * span),
-               ylim=(max(0.0, min(low) - 3), min(100.0, max(high) + 3)))
+               ylim=(max(0.0, min(r["low"] for r in panel) - 3), min(100.0, max(r["high"] for r in panel) + 3)))
         ax.title.set_fontsize("small")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from ..attention import AttentionCall, rotate
@@ -17,6 +18,7 @@ from ..state import RowState
 # Table 1: retention ratios (rho_g, rho_c, rho_p) of grids, chunks and pages.
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 RESELECT = ("uncertainty", "always", "never")
+POOLING = ("mean", "max")
 
 
 def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +116,10 @@ class CHESSPress(Press):
             (default True; sparsekv's). Appendix B's argument assumes unrelated keys are near-orthogonal, but
             the keys of real models share a large common component, and the raw dot product ranks pages by
             their projection on it; centring restores the premise. False is eq. 4 as written.
+        pooling: how a chunk or grid is scored from its children: "mean" (default; eq. 2's mean vector, whose
+            eq. 4 score is the mean of its children's scores) or "max" (sparsekv's: its best child's score). In
+            real prose the mean of 4 or 16 pages drowns the one page that matters, and Algorithm 1's upper levels
+            discard the grid or chunk of a page that ranks among the best (`benchmarks/chess_affinity.py`).
     """
 
     preset: str | None = None
@@ -130,6 +136,7 @@ class CHESSPress(Press):
     varentropy_threshold: float = 12.4
     pre_rope: bool = True
     centre: bool = True
+    pooling: str = "mean"
     selects_before_attention: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -157,6 +164,8 @@ class CHESSPress(Press):
         for key in ("pre_rope", "centre"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{name}: {key} must be True or False; got {getattr(self, key)!r}.")
+        if self.pooling not in POOLING:
+            raise ValueError(f"{name}: pooling must be one of {', '.join(POOLING)}; got {self.pooling!r}.")
         if self.reselect not in RESELECT:
             raise ValueError(f"{name}: reselect must be one of {', '.join(RESELECT)}; got {self.reselect!r}.")
         if self.reselect_every is not None:
@@ -316,25 +325,30 @@ class CHESSPress(Press):
         `(batch, pages)`, for rows of `lengths` real tokens."""
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
         n_pages = vectors.shape[1]
-        # Eq. 2: chunks and grids average their candidate children (pages padded to whole grids).
-        per_grid = self.chunk_pages * self.grid_chunks
-        pad = -n_pages % per_grid
-        b, _, dim = vectors.shape
-        grid_pages = torch.nn.functional.pad(vectors, (0, 0, 0, pad)).view(b, -1, self.chunk_pages, dim)
-        page_in = torch.nn.functional.pad(candidate, (0, pad)).view(b, -1, self.chunk_pages)
-        chunks, chunk_in = masked_mean(grid_pages, page_in, dim=2), page_in.any(-1)  # (b, C, dim)
-        grids_of = chunks.view(b, -1, self.grid_chunks, dim)
-        chunk_in_grid = chunk_in.view(b, -1, self.grid_chunks)
-        grids, grid_in = masked_mean(grids_of, chunk_in_grid, dim=2), chunk_in_grid.any(-1)
-        n_grids, n_chunks = grids.shape[1], chunks.shape[1]
-        scores = (torch.cat([grids, chunks, vectors], dim=1) @ anchor[:, :, None])[..., 0]  # eq. 4: one GEMM
-        s_grid, s_chunk, s_page = scores.split([n_grids, n_chunks, n_pages], dim=1)
+        s_page = (vectors @ anchor[:, :, None])[..., 0]  # eq. 4 for every page: one GEMM
+        # Eq. 2 then eq. 4: a chunk's (grid's) vector is the mean of its candidate children, and the dot product is
+        # linear, so its score is the mean of their scores; "max" pooling scores it by its best child instead.
+        pad = -n_pages % (self.chunk_pages * self.grid_chunks)  # pages padded to whole grids
+        s_chunk, chunk_in = self._pool(nn.functional.pad(s_page, (0, pad)), nn.functional.pad(candidate, (0, pad)),
+                                       self.chunk_pages)
+        s_grid, grid_in = self._pool(s_chunk, chunk_in, self.grid_chunks)
         rho_g, rho_c, rho_p = self.retention
         keep_grid = top_fraction(s_grid, grid_in, rho_g)
         active = keep_grid.repeat_interleave(self.grid_chunks, dim=1) & chunk_in
         keep_chunk = top_fraction(s_chunk, active, rho_c)
         active = keep_chunk.repeat_interleave(self.chunk_pages, dim=1)[:, :n_pages] & candidate
         return keep_grid, keep_chunk, top_fraction(s_page, active, rho_p)
+
+    def _pool(self, scores: torch.Tensor, active: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores `(batch, n // size)` of groups of `size` consecutive entries, pooled over their active ones, and
+        which groups have any."""
+        b = scores.shape[0]
+        scores, active = scores.view(b, -1, size), active.view(b, -1, size)
+        if self.pooling == "max":
+            pooled = scores.masked_fill(~active, float("-inf")).amax(-1)
+        else:
+            pooled = masked_mean(scores[..., None], active, dim=2)[..., 0]
+        return pooled, active.any(-1)
 
     def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
