@@ -362,7 +362,7 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
 # --- command line (the `bench` entry of sparsekv.cli.COMMANDS) ---------------------------------------------------
 def add_arguments(parser) -> None:
     """Options of `sparsekv bench`."""
-    from .cli import _csv, _fraction, _int_at_least, press_specs
+    from .cli import _csv, _fraction, _int_at_least, placement_args, press_specs
 
     add = parser.add_argument
     add("--model", default="smollm2-135m",
@@ -380,27 +380,25 @@ def add_arguments(parser) -> None:
     add("--repeats", type=_int_at_least(1), default=3, help="timed runs per configuration (default: %(default)s)")
     add("--plot", metavar="FILE.png", help="write decode latency vs generated tokens, a line per configuration")
     add("--json", metavar="FILE.json", help="write the rows, with per-step latency curves")
-    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(default: %(default)s)")
-    add("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
-        help="(default: %(default)s)")
-    add("--device", help="e.g. cpu, cuda (default: cuda when available, else cpu)")
+    placement_args(parser)
 
 
 def run_command(args) -> int:
     """Run `sparsekv bench` with parsed `args`; bad inputs exit through `args.parser.error`."""
+    from .cli import placement
     from .evaluation.runner import check_model_name
     from .models import MODELS, load_model
 
     ratios = args.ratios if args.ratios or args.budgets else [0.1]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, dtype = placement(args)
     try:
         spec = MODELS.get(args.model)
         check_model_name(args.model)
         check_inputs(args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens, args.repeats,
                      spec.context_length if spec else None, args.plot, args.json)
         plan(args.lengths, args.presses, ratios, args.budgets)
-        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype),
-                                      attn_implementation=args.attn_implementation, device_map=device)
+        model, tokenizer = load_model(args.model, dtype=dtype, attn_implementation=args.attn_implementation,
+                                      device_map=device)
         title = f"{args.model}, {device}, {torch.get_num_threads()} threads, median of {args.repeats}"
         print(title)
         rows = run_bench(model, tokenizer, args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens,

@@ -42,6 +42,31 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def placement_args(parser: argparse.ArgumentParser) -> None:
+    """`--device`, `--dtype`, `--device-map` and `--attn-implementation`, the same for demo, eval and bench."""
+    from .models import DTYPES
+
+    add = parser.add_argument
+    add("--device", default="auto", help="torch device: auto (CUDA when available, else CPU), cpu, cuda, cuda:1 "
+        "(default: %(default)s)")
+    add("--dtype", choices=DTYPES, default="auto",
+        help="auto: bfloat16 on a GPU, float32 on a CPU (default: %(default)s)")
+    add("--device-map", help="accelerate device map for models larger than one device, e.g. auto (replaces --device)")
+    add("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
+        help="(default: %(default)s)")
+
+
+def placement(args: argparse.Namespace):
+    """`(device_map, dtype)` from the parsed placement options; bad values exit through `args.parser.error`."""
+    from .models import placement as resolve
+
+    try:
+        device, dtype = resolve(args.device, args.dtype)
+    except ValueError as err:
+        args.parser.error(str(err))
+    return (args.device_map or device), dtype
+
+
 def _demo_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="smollm2-135m", help="model alias, .gguf file or directory (default: %(default)s)")
@@ -50,6 +75,7 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
         help="fraction of the prompt's KV kept, in (0, 1] (default: %(default)s)")
     add("--max-new-tokens", type=_int_at_least(1), default=16, help="tokens generated (default: %(default)s)")
     add("--depth", type=_fraction(zero_allowed=True), default=0.5, help="needle depth in [0, 1] (default: %(default)s)")
+    placement_args(parser)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -62,7 +88,9 @@ def _demo(args: argparse.Namespace) -> int:
             f"--tokens + --max-new-tokens = {args.tokens + args.max_new_tokens} exceeds the context of "
             f"{args.model} ({spec.context_length} tokens)"
         )
-    run_demo(args.model, n_tokens=args.tokens, ratio=args.ratio, max_new_tokens=args.max_new_tokens, depth=args.depth)
+    device_map, dtype = placement(args)
+    run_demo(args.model, n_tokens=args.tokens, ratio=args.ratio, max_new_tokens=args.max_new_tokens, depth=args.depth,
+             dtype=dtype, attn_implementation=args.attn_implementation, device_map=device_map)
     return 0
 
 
@@ -116,15 +144,10 @@ def _eval_args(parser: argparse.ArgumentParser) -> None:
     add("--max-new-tokens", type=_int_at_least(1), help="tokens generated per answer (default: each task's own)")
     add("--haystack", help="a text file whose sentences replace the noise haystack")
     add("--no-full", action="store_true", help="do not run the full-cache reference")
-    add("--device-map", help="accelerate device map for large models, e.g. auto")
-    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(default: %(default)s)")
-    add("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
-        help="(default: %(default)s)")
+    placement_args(parser)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import torch
-
     from .evaluation import EvalConfig, format_report, load_and_evaluate
     from .evaluation.runner import check_model_name
     from .models import MODELS
@@ -144,7 +167,10 @@ def _eval(args: argparse.Namespace) -> int:
         if spec is not None and max(args.lengths) > spec.context_length:
             raise ValueError(f"--lengths: {max(args.lengths)} exceeds the context of {args.model} "
                              f"({spec.context_length} tokens)")
-        results = load_and_evaluate(config, device_map=args.device_map, dtype=getattr(torch, args.dtype),
+        device_map, dtype = placement(args)
+        if args.device == "auto" and not args.device_map:
+            device_map = None  # each accelerate process on its own device, or the one device there is
+        results = load_and_evaluate(config, device_map=device_map, dtype=dtype,
                                     attn_implementation=args.attn_implementation)
     except ValueError as err:
         args.parser.error(str(err))

@@ -53,20 +53,26 @@ def run_demo(
     ratio: float = 0.1,
     max_new_tokens: int = 16,
     depth: float = 0.5,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    device_map=None,
 ) -> list[dict]:
     """Answer one needle question with the full cache and with each press at `ratio`; print and return a table.
 
     Prefill time is that of a 1-token generation. Decode ms/token is the rest of the full generation over the
     tokens after the first: `(total - first token) / (generated - 1)`, with the first token's time taken in
     the same run (a separate run's prefill, noisier than a few decoding steps, can make it negative).
+    `dtype`, `attn_implementation` and `device_map` (a device, or an accelerate map) are `load_model`'s.
     """
     from .models import load_model
 
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype=dtype, attn_implementation=attn_implementation,
+                                  device_map=device_map)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and n_tokens + max_new_tokens > limit:
         raise ValueError(f"n_tokens + max_new_tokens = {n_tokens + max_new_tokens} exceeds the context ({limit})")
     input_ids, answer = build_needle_prompt(tokenizer, n_tokens, depth=depth)
+    input_ids = input_ids.to(model.device)
     n_prompt = input_ids.shape[1]
     print(f"model {model_name}: {n_prompt}-token prompt, needle at depth {depth:.0%}, answer {answer}, ratio {ratio}")
 

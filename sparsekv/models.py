@@ -184,6 +184,41 @@ def sha256_file(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def auto_device() -> str:
+    """"cuda" when a CUDA device is available, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def placement(device: str = "auto", dtype: str = "auto") -> tuple[str, torch.dtype]:
+    """The device and dtype to load a model with, from the command line's `--device` and `--dtype`.
+
+    Args:
+        device: a torch device ("cpu", "cuda", "cuda:1", ...), or "auto": CUDA when available, else the CPU.
+        dtype: one of `DTYPES`; "auto" is bfloat16 on a GPU (what long-context models are run in) and float32
+            on a CPU (where bfloat16 matrix products are slow and the offline models' results were measured).
+
+    Raises:
+        ValueError: naming `--device` or `--dtype`, for a device torch does not know or that is not available,
+            or an unknown dtype.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}; got {dtype!r}.")
+    if device == "auto":
+        device = auto_device()
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device: not a torch device: {device!r} (e.g. auto, cpu, cuda, cuda:1).") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here; use --device cpu (or auto).")
+    if dtype == "auto":
+        dtype = "float32" if kind == "cpu" else "bfloat16"
+    return device, getattr(torch, dtype)
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
                device_map=None):
     """Load ``(model, tokenizer)`` in eval mode.

@@ -105,6 +105,36 @@ def test_the_selection_follows_the_anchor():
     assert pages[0].nonzero().flatten().tolist() == [13]
 
 
+def test_mean_pooled_scores_are_eq_4_on_eq_2_vectors():
+    """A chunk's (grid's) score is the dot product of the anchor with the mean vector of its candidate children."""
+    press = CHESSPress(ratio=0.3, page_size=4, chunk_pages=3, grid_chunks=2, sink_pages=1, window_pages=2)
+    lengths = torch.tensor([4 * 30 - 1])
+    sums = torch.randn(1, 30, 8, generator=torch.Generator().manual_seed(2))
+    vectors, anchor, candidate = press.page_vectors(sums, lengths)
+    s_page = (vectors @ anchor[..., None])[..., 0]
+    s_chunk, chunk_in = press._pool(s_page, candidate, 3)
+    chunk_vectors = torch.stack([vectors[0, c * 3:(c + 1) * 3][candidate[0, c * 3:(c + 1) * 3]].mean(0)
+                                 for c in range(10) if candidate[0, c * 3:(c + 1) * 3].any()])
+    torch.testing.assert_close(s_chunk[chunk_in], chunk_vectors @ anchor[0])
+    s_grid, grid_in = press._pool(s_chunk, chunk_in, 2)
+    grid_vectors = torch.stack([chunk_vectors[i:i + 2].mean(0) for i in (0, 2, 4, 6)] + [chunk_vectors[8:].mean(0)])
+    torch.testing.assert_close(s_grid[grid_in], grid_vectors @ anchor[0])
+
+
+def test_max_pooling_keeps_a_lone_relevant_page_that_the_mean_drowns():
+    """One page along the anchor, in a grid whose other pages point away: the mean of the grid ranks it last, so
+    Algorithm 1 drops the page with its grid; scored by its best page, the grid (and the page) is kept."""
+    lengths = torch.tensor([4 * 40])
+    sums = torch.randn(1, 40, 8, generator=torch.Generator().manual_seed(3)) * 0.1
+    sums[0, 38:40, 0] = 4.0  # the window's pages (the anchor) point along the first axis
+    sums[0, 16:32, 0] = -8.0  # a grid pointing away from it ...
+    sums[0, 21, 0] = 12.0  # ... but for one page far along it
+    for pooling, kept in (("mean", False), ("max", True)):
+        press = CHESSPress(ratios=(0.5, 0.5, 0.5), page_size=4, chunk_pages=4, grid_chunks=4, pooling=pooling)
+        _, _, pages = press.select(sums, lengths)
+        assert bool(pages[0, 21]) is kept, pooling
+
+
 def test_working_context_is_sinks_selected_window_and_partial_page_and_is_shared_by_all_layers():
     model = make_model("llama", "sdpa")
     n = 8 * 20 + 3
@@ -247,6 +277,7 @@ def test_presets_are_table_1():
     ({"preset": "moderate", "page_size": 0}, "page_size must be an integer >= 1"),
     ({"preset": "moderate", "window_pages": 0}, "window_pages must be an integer >= 1"),
     ({"preset": "moderate", "reselect": "sometimes"}, "reselect must be one of"),
+    ({"preset": "moderate", "pooling": "median"}, "pooling must be one of mean, max"),
     ({"preset": "moderate", "reselect_every": 0}, "reselect_every must be an integer >= 1"),
     ({"preset": "moderate", "entropy_threshold": -1}, "entropy_threshold must be a number >= 0"),
 ])

@@ -127,3 +127,40 @@ def test_pip_download_reports_command_and_stderr(tmp_path, monkeypatch):
     message = str(info.value)
     assert "some-wheel==1.2.3" in message and "--no-deps" in message
     assert "ERROR: index unreachable" in message
+
+
+# --- where and in which dtype the commands load a model ----------------------------------------------------------
+def test_placement_auto_is_cuda_in_bfloat16_when_available_else_cpu_in_float32(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert models.placement() == ("cpu", torch.float32)
+    assert models.placement("cpu", "bfloat16") == ("cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
+        models.placement("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models.placement() == ("cuda", torch.bfloat16)
+    assert models.placement("cuda:1", "float32") == ("cuda:1", torch.float32)
+
+
+@pytest.mark.parametrize("device, dtype, message", [
+    ("gpu0", "auto", "--device: not a torch device: 'gpu0'"),
+    ("cpu", "float64", "--dtype: must be one of auto, float32, bfloat16, float16"),
+])
+def test_placement_names_the_bad_option(device, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        models.placement(device, dtype)
+
+
+@pytest.mark.parametrize("command", ["demo", "eval", "bench"])
+def test_every_command_takes_the_same_placement_options(command, capsys, monkeypatch):
+    import torch
+
+    from sparsekv.cli import build_parser, main
+
+    args = build_parser().parse_args([command])
+    assert (args.device, args.dtype, args.device_map, args.attn_implementation) == ("auto", "auto", None, "sdpa")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main([command, "--device", "cuda"])
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err

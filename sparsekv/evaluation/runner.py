@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..environment import environment
-from ..models import MODELS, require, sha256_file
+from ..models import MODELS, auto_device, require, sha256_file
 from ..prefill import Prefill, generate_from
 from .hub import is_hub_task, load_hub_task
 from .presses import check_press, is_full, make_press
@@ -324,13 +324,19 @@ class Evaluator:
 
 def load_and_evaluate(config: EvalConfig, device_map=None, dtype=torch.float32, attn_implementation="sdpa",
                       distributed: bool = True) -> list[dict]:
-    """Load the model once and run the sweep; with `distributed`, samples are split over accelerate processes."""
+    """Load the model once and run the sweep; with `distributed`, samples are split over accelerate processes.
+
+    `device_map`: a device ("cpu", "cuda:0"), an accelerate map ("auto", or a dict), or None: each accelerate
+    process's own device, or with one process CUDA when available, else the CPU."""
     from ..models import load_model
 
     check_model_name(config.model)
     done = [run_directory(config, run) / "metrics.json" for run in config.runs()]
-    device = "cpu" if device_map is None else str(torch.device(device_map[""])) if (
-        isinstance(device_map, dict) and list(device_map) == [""]) else None
+    if isinstance(device_map, dict) and list(device_map) == [""]:
+        device_map = device_map[""]
+    # One device (None: the one there is, CUDA when available), or a map spreading the model (device unknown).
+    device = auto_device() if device_map is None else str(torch.device(device_map)) if isinstance(
+        device_map, (str, torch.device)) and device_map not in ("auto", "balanced", "sequential") else None
     if device is not None and all(path.exists() for path in done):  # a finished sweep: nothing to load
         for run in config.runs():
             check_identity(run_directory(config, run), run_identity(config, run, dtype, attn_implementation, device))
@@ -345,7 +351,7 @@ def load_and_evaluate(config: EvalConfig, device_map=None, dtype=torch.float32, 
         on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not accelerator.is_available()
         state = PartialState(cpu=on_cpu)
         if state.num_processes > 1 and device_map is None:
-            device_map = {"": state.device}
+            device_map = state.device
     model, tokenizer = load_model(config.model, dtype=dtype, attn_implementation=attn_implementation,
-                                  device_map=device_map)
+                                  device_map=device_map if device_map is not None else auto_device())
     return Evaluator(config, model, tokenizer, state).run_all()
