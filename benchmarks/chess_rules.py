@@ -1,0 +1,74 @@
+"""Which of CHESS's selection rules keeps the needle's page? Needles kept out of the samples, per rule.
+
+Each sample's prompt runs once under `CHESSPress` (its page vectors do not depend on the rule); then Algorithm 1
+selects at the same budget with each rule: chunks and grids scored by the mean of their pages (eq. 2) or by
+their best page (`pooling="max"`), and the `ratio` split evenly over grids, chunks and pages (sparsekv's
+`ratio=` shorthand) or spent on pages alone (`ratios=(1, 1, ratio)`: Algorithm 1 without its upper levels).
+A needle counts as kept when every page holding its value is attended (selected, sink or window).
+
+    PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 20
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from chess_affinity import needle_token
+from tqdm.auto import tqdm
+
+from sparsekv import CHESSPress
+from sparsekv.evaluation.prompts import encode
+from sparsekv.evaluation.tasks import TASKS
+from sparsekv.models import load_model
+from sparsekv.table import format_table
+
+
+def rules(ratio: float) -> dict[str, CHESSPress]:
+    return {
+        "mean pooling, ratio split evenly (default)": CHESSPress(ratio=ratio),
+        "max pooling, ratio split evenly": CHESSPress(ratio=ratio, pooling="max"),
+        "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio)),
+    }
+
+
+@torch.no_grad()
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--task", default="prose_code", choices=list(TASKS))
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--ratio", type=float, default=0.1)
+    parser.add_argument("--samples", type=int, default=20, help="needle depths swept evenly, ends included")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)
+    presses = rules(args.ratio)
+    kept = {name: 0 for name in presses}
+    pages = {name: [] for name in presses}
+    for i in tqdm(range(args.samples), desc="samples"):
+        depth = i / max(args.samples - 1, 1)
+        sample = TASKS[args.task].make(tokenizer, args.length, i, depth, None)
+        ids = encode(tokenizer, sample).ids
+        answer = sample.answers[0]
+        end = sample.context.index(answer) + len(answer)
+        first = needle_token(tokenizer, ids, answer)
+        last = needle_token(tokenizer, ids, answer + sample.context[end]) - 1
+        first_press = next(iter(presses.values()))
+        with first_press(model):
+            out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+        lengths = torch.tensor([ids.shape[1]])
+        for name, press in presses.items():
+            _, _, selected = press.select(out.cache.state.page_sums, lengths)
+            always, _ = press.page_roles(lengths, selected.shape[1])
+            attended = selected[0] | always[0]
+            kept[name] += bool(attended[first // press.page_size: last // press.page_size + 1].all())
+            pages[name].append(int(selected[0].sum()))
+    rows = [{"rule": name, "needles kept": f"{kept[name]} / {args.samples}",
+             "pages selected": sum(pages[name]) / len(pages[name])} for name in presses]
+    print(f"{args.model}, {args.task}, {args.length} tokens, ratio {args.ratio}, {args.samples} samples")
+    print(format_table(rows, [("rule", "rule", ""), ("needles kept", "needles kept", ""),
+                              ("pages selected (mean)", "pages selected", ".1f")]))
+
+
+if __name__ == "__main__":
+    main()
