@@ -33,11 +33,21 @@ VALUES = r"is: (\d+)|archive is ([A-Z0-9]{3}-[A-Z0-9]{4})\."  # needle values in
 
 
 def needle_token(tokenizer, prompt_ids: torch.Tensor, answer: str) -> int:
-    """Index of the first token of the needle's number in `prompt_ids` (its first occurrence)."""
+    """Index of the first token of the needle's value in `prompt_ids` (its first occurrence)."""
+    return value_tokens(tokenizer, prompt_ids, answer)[0]
+
+
+def value_tokens(tokenizer, prompt_ids: torch.Tensor, answer: str) -> tuple[int, int]:
+    """`(first, end)`: the tokens `first .. end - 1` of `prompt_ids` spell the value `answer` (first occurrence)."""
     ids = prompt_ids[0].tolist()
-    char = tokenizer.decode(ids).index(answer)
-    # Bisect: the most tokens whose decoded text ends at or before the number.
-    return bisect.bisect_right(range(len(ids) + 1), char, key=lambda i: len(tokenizer.decode(ids[:i]))) - 1
+    start = tokenizer.decode(ids).index(answer)
+
+    def decoded(i):
+        return len(tokenizer.decode(ids[:i]))
+
+    # Bisect: the most tokens whose text ends at or before the value, and the fewest whose text covers it.
+    first = bisect.bisect_right(range(len(ids) + 1), start, key=decoded) - 1
+    return first, bisect.bisect_left(range(len(ids) + 1), start + len(answer), key=decoded)
 
 
 @torch.no_grad()
@@ -82,10 +92,8 @@ def main(argv=None):
     for depth, seed in tqdm(points, desc="samples"):
         sample = TASKS[args.task].make(tokenizer, args.length, seed, depth, None)
         ids = encode(tokenizer, sample).ids
-        first = needle_token(tokenizer, ids, sample.answers[0])
-        last = needle_token(tokenizer, ids, sample.answers[0] + sample.context[sample.context.index(
-            sample.answers[0]) + len(sample.answers[0])])  # the token after the value's last character
-        page, end_page = first // 32, (last - 1) // 32
+        first, end = value_tokens(tokenizer, ids, sample.answers[0])
+        page, end_page = first // 32, (end - 1) // 32
         row = {"depth": depth, "seed": seed, "needle page": page, "pages": -(-ids.shape[1] // 32)}
         distractors = [needle_token(tokenizer, ids, v) // 32 for m in re.findall(VALUES, sample.context)
                        for v in m if v and v != sample.answers[0]]

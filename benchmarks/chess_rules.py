@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from chess_affinity import needle_token
+from chess_affinity import value_tokens
 from tqdm.auto import tqdm
 
 from sparsekv import CHESSPress
@@ -49,10 +49,7 @@ def main(argv=None):
         depth = i / max(args.samples - 1, 1)
         sample = TASKS[args.task].make(tokenizer, args.length, i, depth, None)
         ids = encode(tokenizer, sample).ids
-        answer = sample.answers[0]
-        end = sample.context.index(answer) + len(answer)
-        first = needle_token(tokenizer, ids, answer)
-        last = needle_token(tokenizer, ids, answer + sample.context[end]) - 1
+        first, end = value_tokens(tokenizer, ids, sample.answers[0])
         first_press = next(iter(presses.values()))
         with first_press(model):
             out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
@@ -61,7 +58,7 @@ def main(argv=None):
             _, _, selected = press.select(out.cache.state.page_sums, lengths)
             always, _ = press.page_roles(lengths, selected.shape[1])
             attended = selected[0] | always[0]
-            kept[name] += bool(attended[first // press.page_size: last // press.page_size + 1].all())
+            kept[name] += bool(attended[first // press.page_size: (end - 1) // press.page_size + 1].all())
             pages[name].append(int(selected[0].sum()))
     rows = [{"rule": name, "needles kept": f"{kept[name]} / {args.samples}",
              "pages selected": sum(pages[name]) / len(pages[name])} for name in presses]

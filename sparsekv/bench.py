@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -46,19 +47,33 @@ WARMUP_NEW_TOKENS = 4
 
 @dataclass(frozen=True)
 class Setting:
-    """One measured configuration: `press` ("full" or a press spec of the registry) on a prompt of `length` tokens."""
+    """One measured configuration: `press` ("full" or a press spec of the registry) on `batch` prompts of `length`
+    tokens; `ragged`: their lengths spread evenly from `length` down to half of it (left-padded)."""
 
     press: str
     length: int
     ratio: float | None = None
     budget: int | None = None
+    batch: int = 1
+    ragged: bool = False
 
     @property
     def kept(self) -> int:
-        """Prompt tokens the press keeps: its budget, or `ratio` of the prompt (rounded as `Press.row_budgets`)."""
+        """Prompt tokens the press keeps of the longest row: its budget, or `ratio` of the prompt (rounded as
+        `Press.row_budgets`)."""
         if self.press == "full":
             return self.length
         return self.budget if self.budget is not None else max(1, round(self.ratio * self.length))
+
+    def row_lengths(self) -> list[int]:
+        """Each row's prompt length."""
+        if not self.ragged or self.batch == 1:
+            return [self.length] * self.batch
+        return [round(self.length * (1 - 0.5 * i / (self.batch - 1))) for i in range(self.batch)]
+
+    def oracle(self) -> Setting:
+        """The full cache on prompts as long as what the press keeps of each row, at the same batch."""
+        return Setting("full", self.kept, batch=self.batch, ragged=self.ragged and self.budget is None)
 
     def label(self, lengths) -> str:
         if self.press == "full":
@@ -69,27 +84,27 @@ class Setting:
         return None if self.press == "full" else make_press(self.press, self.ratio, self.budget, tokenizer)
 
 
-def plan(lengths, presses, ratios=None, budgets=None) -> list[tuple[Setting, Setting, Setting]]:
-    """`(press, full cache at the same length, oracle)` for every length x press x ratio (or budget).
+def plan(lengths, presses, ratios=None, budgets=None, batch_sizes=(1,), ragged: bool = False
+         ) -> list[tuple[Setting, Setting, Setting]]:
+    """`(press, full cache at the same length and batch, oracle)` for every length x batch x press x ratio (or
+    budget).
 
     Raises ValueError for unknown presses, budgets larger than a length and presses that refuse a budget.
     """
     kept = [(None, b) for b in budgets] if budgets else [(r, None) for r in ratios]
     triples = []
-    for length in lengths:
-        full = Setting("full", length)
-        for name in presses:
-            if name == "full":  # the full cache is always measured
-                continue
-            for ratio, budget in kept:
-                setting = Setting(name, length, ratio, budget)
-                if budget is not None and budget > length:
-                    raise ValueError(f"--budgets: {budget} exceeds the {length}-token prompt of --lengths.")
-                try:
-                    check_press(name, ratio, budget)
-                except ValueError as err:
-                    raise ValueError(f"{setting.label(lengths)}: {err}") from None
-                triples.append((setting, full, Setting("full", setting.kept)))
+    for length, batch in itertools.product(lengths, batch_sizes):
+        full = Setting("full", length, batch=batch, ragged=ragged)
+        for name, (ratio, budget) in itertools.product([p for p in presses if p != "full"], kept):
+            setting = Setting(name, length, ratio, budget, batch, ragged)  # the full cache is always measured
+            if budget is not None and budget > min(setting.row_lengths()):
+                raise ValueError(f"--budgets: {budget} exceeds the {min(setting.row_lengths())}-token prompt of "
+                                 f"a row ({length} tokens{', ragged' if ragged else ''}).")
+            try:
+                check_press(name, ratio, budget)
+            except ValueError as err:
+                raise ValueError(f"{setting.label(lengths)}: {err}") from None
+            triples.append((setting, full, setting.oracle()))
     if not triples:
         raise ValueError(f"--presses: give at least one press other than full; known presses: {known_presses()}.")
     return triples
@@ -189,7 +204,7 @@ def running_median(values: list[float], window: int = 16) -> list[float]:
     return [statistics.median(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=None) -> dict:
+def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=None, attention_mask=None) -> dict:
     """One greedy generation of exactly `max_new_tokens` tokens with `press` (None: full cache).
 
     Returns prefill seconds, the decode latency of every step (ms), peak memory above the pre-run level (MB;
@@ -204,7 +219,7 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
         gpu_base = torch.cuda.memory_allocated(ids.device)
     with PeakRSS() as rss, press(model) if press is not None else nullcontext():
         out, _, stamps = timed_generate(model, ids, max_new_tokens, min_new_tokens=max_new_tokens,
-                                        pad_token_id=pad_token_id)
+                                        pad_token_id=pad_token_id, attention_mask=attention_mask)
     resident, attended, kv_bytes = cache_footprint(out.cache)
     steps = step_latencies(stamps)
     seconds = dict(getattr(out.cache, "seconds", {}))  # press work, a SparseCache only
@@ -254,16 +269,20 @@ def medians(runs: list[dict]) -> dict:
 
 
 def summarize(runs: dict[Setting, list[dict]], triples, lengths) -> list[dict]:
-    """One row per configuration (in `runs`' order): medians, and for presses the ratios to the full cache at
-    the same length (`*_vs_full`) and to the oracle (`*_vs_oracle`)."""
+    """One row per configuration (in `runs`' order): medians, decoding throughput (`tok_s`, tokens per second
+    over the batch), and for presses the ratios to the full cache at the same length and batch (`*_vs_full`)
+    and to the oracle (`*_vs_oracle`)."""
     med = {setting: medians(r) for setting, r in runs.items()}
+    for setting, m in med.items():  # decoding throughput: every row of the batch gains a token per step
+        m["tok_s"] = setting.batch * 1000 / m["decode_ms"] if m["decode_ms"] else None
     refs = {press: (full, oracle) for press, full, oracle in triples}
     rows = []
     for setting, m in med.items():
         row = {"config": setting.label(lengths), "press": setting.press, "ratio": setting.ratio,
-               "budget": setting.budget, "length": setting.length, "kept": setting.kept, **m}
+               "budget": setting.budget, "length": setting.length, "kept": setting.kept, "batch": setting.batch,
+               "ragged": setting.ragged, **m}
         full, oracle = refs.get(setting, (None, None))
-        for metric in ("prefill_s", "decode_ms", "peak_mb", "cuda_peak_mb", "kv_mb"):
+        for metric in ("prefill_s", "decode_ms", "tok_s", "peak_mb", "cuda_peak_mb", "kv_mb"):
             name = metric.rsplit("_", 1)[0]
             row[f"{name}_vs_full"] = _ratio(m[metric], med[full][metric]) if full else None
             row[f"{name}_vs_oracle"] = _ratio(m[metric], med[oracle][metric]) if oracle else None
@@ -274,11 +293,12 @@ def summarize(runs: dict[Setting, list[dict]], triples, lengths) -> list[dict]:
 def format_rows(rows: list[dict]) -> str:
     """The benchmark's table (the GPU column only when measured)."""
     columns = [
-        ("config", "config", ""), ("length", "length", "d"),
+        ("config", "config", ""), ("length", "length", "d"), ("batch", "batch", "d"),
         ("prefill s", "prefill_s", ".3f"), ("prefill/full", "prefill_vs_full", ".2f"),
         ("compress s", "compress_s", ".3f"), ("decode ms/tok", "decode_ms", ".2f"),
         ("press ms/tok", "press_ms", ".2f"), ("decode/full", "decode_vs_full", ".2f"),
-        ("decode/oracle", "decode_vs_oracle", ".2f"), ("slope ms/1k tok", "slope", ".2f"),
+        ("decode/oracle", "decode_vs_oracle", ".2f"), ("tok/s", "tok_s", ".1f"), ("tok/s / full", "tok_vs_full", ".2f"),
+        ("slope ms/1k tok", "slope", ".2f"),
         ("peak MB", "peak_mb", ".1f"), ("GPU peak MB", "cuda_peak_mb", ".1f"),
         ("resident tok", "resident", ".0f"), ("attended tok", "attended", ".0f"),
         ("KV MB", "kv_mb", ".2f"), ("KV/full", "kv_vs_full", ".3f"), ("layer Jaccard", "jaccard", ".3f"),
@@ -310,18 +330,60 @@ def plot_latency(rows: list[dict], path, title: str = "", window: int = 16) -> P
     return Path(path)
 
 
+def plot_throughput(rows: list[dict], path, title: str = "") -> Path:
+    """PNG of decoding throughput (tokens/s over the batch) against batch size: a line per configuration and
+    length (the full cache dashed, oracles dotted)."""
+    require("matplotlib", "plot", "to draw plots")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for row in rows:
+        lines.setdefault((row["config"], row["length"]), []).append((row["batch"], row["tok_s"]))
+    fig = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for (config, length), points in lines.items():
+        xs, ys = zip(*sorted(points))
+        style = {"full": "--", "oracle": ":"}.get(config, "-")
+        ax.plot(xs, ys, marker="o", linestyle=style, label=f"{config} ({length} tok)")
+    ax.set(xlabel="batch size", ylabel="decoding throughput, tokens/s", title=title)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({row["batch"] for row in rows}), labels=[str(b) for b in sorted({row["batch"] for row in rows})])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
 # --- the benchmark -----------------------------------------------------------------------------------------------
+def batch_inputs(source: torch.Tensor, row_lengths: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, attention_mask)`: row i is the last `row_lengths[i]` tokens of `source` `(1, L)`, left-padded."""
+    width = max(row_lengths)
+    ids = torch.full((len(row_lengths), width), pad_id, dtype=source.dtype, device=source.device)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(row_lengths):
+        ids[i, width - n:], mask[i, width - n:] = source[0, -n:], 1
+    return ids, mask
+
+
 def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm"), ratios=None, budgets=None,
-              max_new_tokens: int = 64, repeats: int = 3, plot=None, json_path=None, title: str = "") -> list[dict]:
+              max_new_tokens: int = 64, repeats: int = 3, plot=None, json_path=None, title: str = "",
+              batch_sizes=(1,), ragged: bool = False) -> list[dict]:
     """Measure every configuration (warm-up, then `repeats` interleaved runs); return the summary rows.
 
-    `ratios` defaults to `[0.1]` unless `budgets` is given. Writes the latency plot to `plot` and the rows (with
-    their per-step latency curves) to `json_path` when given. Invalid inputs raise ValueError before any run.
+    `ratios` defaults to `[0.1]` unless `budgets` is given. Every configuration runs at each of `batch_sizes`
+    (`ragged`: rows of different lengths, see `Setting`). Writes the latency plot to `plot` (and, with several
+    batch sizes, the throughput plot beside it, `*_throughput.png`) and the rows (with their per-step latency
+    curves) to `json_path` when given. Invalid inputs raise ValueError before any run.
     """
     ratios = [0.1] if ratios is None and budgets is None else ratios
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     check_inputs(lengths, presses, ratios, budgets, max_new_tokens, repeats, limit, plot, json_path)
-    triples = plan(lengths, presses, ratios, budgets)
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes: give integers >= 1; got {list(batch_sizes)}.")
+    triples = plan(lengths, presses, ratios, budgets, batch_sizes, ragged)
     settings = list(dict.fromkeys(s for triple in triples for s in (triple[1], triple[2], triple[0])))
 
     longest = max(s.length for s in settings)
@@ -332,7 +394,9 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(setting: Setting, length: int, new_tokens: int) -> dict:
-        return measure(model, source[:, -length:], setting.make_press(tokenizer), new_tokens, pad)
+        rows = [max(1, round(n * length / setting.length)) for n in setting.row_lengths()]  # scaled for warm-ups
+        ids, mask = batch_inputs(source, rows, pad)
+        return measure(model, ids, setting.make_press(tokenizer), new_tokens, pad, mask)
 
     # Every code path once, on a short prompt the press accepts; presses first: a budget they refuse fails fast.
     for s in tqdm(sorted(settings, key=lambda s: s.press == "full"), desc="warm-up"):
@@ -351,8 +415,11 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
     rows = summarize(runs, triples, lengths)
     if plot:
         plot_latency(rows, plot, title)
+        if len(batch_sizes) > 1:
+            plot_throughput(rows, Path(plot).with_name(Path(plot).stem + "_throughput.png"), title)
     if json_path:
         meta = {"title": title, "threads": torch.get_num_threads(), "device": str(model.device),
+                "batch_sizes": list(batch_sizes), "ragged": ragged,
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "dtype": str(model.dtype).removeprefix("torch."),
                 "attn_implementation": model.config._attn_implementation, "environment": environment(model.device)}
         Path(json_path).write_text(json.dumps({**meta, "rows": rows}, indent=1))
@@ -377,6 +444,11 @@ def add_arguments(parser) -> None:
                       help="fractions of the prompt's KV kept, each in (0, 1] (default: 0.1)")
     kept.add_argument("--budgets", type=_csv(_int_at_least(1)), help="tokens of KV kept, instead of --ratios")
     add("--max-new-tokens", type=_int_at_least(2), default=64, help="tokens generated, exactly (default: %(default)s)")
+    add("--batch-sizes", type=_csv(_int_at_least(1)), default=[1],
+        help="prompts decoded together, comma-separated (default: 1); with several, --plot also draws tokens/s "
+        "against batch size")
+    add("--ragged", action="store_true",
+        help="rows of different lengths in a batch: from --lengths down to half of it, left-padded")
     add("--repeats", type=_int_at_least(1), default=3, help="timed runs per configuration (default: %(default)s)")
     add("--plot", metavar="FILE.png", help="write decode latency vs generated tokens, a line per configuration")
     add("--json", metavar="FILE.json", help="write the rows, with per-step latency curves")
@@ -396,13 +468,13 @@ def run_command(args) -> int:
         check_model_name(args.model)
         check_inputs(args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens, args.repeats,
                      spec.context_length if spec else None, args.plot, args.json)
-        plan(args.lengths, args.presses, ratios, args.budgets)
+        plan(args.lengths, args.presses, ratios, args.budgets, args.batch_sizes, args.ragged)
         model, tokenizer = load_model(args.model, dtype=dtype, attn_implementation=args.attn_implementation,
                                       device_map=device)
         title = f"{args.model}, {device}, {torch.get_num_threads()} threads, median of {args.repeats}"
         print(title)
         rows = run_bench(model, tokenizer, args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens,
-                         args.repeats, args.plot, args.json, title)
+                         args.repeats, args.plot, args.json, title, args.batch_sizes, args.ragged)
     except ValueError as err:
         args.parser.error(str(err))
     print(format_rows(rows))

@@ -32,12 +32,14 @@ class StepClock(LogitsProcessor):
 
 
 def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int, **kwargs):
-    """Greedy `generate`; returns `(output, seconds, step stamps)`, stamps relative to the start."""
+    """Greedy `generate`; returns `(output, seconds, step stamps)`, stamps relative to the start. The attention
+    mask defaults to every token (give `attention_mask=` for a left-padded batch)."""
     clock = StepClock()
+    mask = kwargs.pop("attention_mask", None)
     start = time.perf_counter()
     out = model.generate(
         input_ids,
-        attention_mask=torch.ones_like(input_ids),
+        attention_mask=torch.ones_like(input_ids) if mask is None else mask,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         return_dict_in_generate=True,

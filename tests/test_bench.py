@@ -149,6 +149,38 @@ def test_plot_and_json_written(measured):
     assert statistics.median(saved["rows"][0]["curve"]) > 0
 
 
+# --- batches: throughput --------------------------------------------------------------------------------------------
+def test_plan_at_several_batch_sizes_and_ragged_rows():
+    triples = plan([1000], ["snapkv"], ratios=[0.1], batch_sizes=[1, 4], ragged=True)
+    assert [(p.batch, f.batch, o.batch) for p, f, o in triples] == [(1, 1, 1), (4, 4, 4)]
+    press, full, oracle = triples[1]
+    assert press.row_lengths() == full.row_lengths() == [1000, 833, 667, 500]
+    assert oracle == Setting("full", 100, batch=4, ragged=True) and oracle.row_lengths() == [100, 83, 67, 50]
+    assert Setting("full", 1000, batch=3).row_lengths() == [1000] * 3
+    ids, mask = bench.batch_inputs(torch.arange(10)[None], [4, 2], pad_id=-1)
+    assert ids.tolist() == [[6, 7, 8, 9], [-1, -1, 8, 9]] and mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
+    with pytest.raises(ValueError, match="--budgets: 600 exceeds the 500-token prompt of a row"):
+        plan([1000], ["snapkv"], budgets=[600], batch_sizes=[2], ragged=True)
+
+
+def test_batched_run_reports_throughput_per_batch(model, tokenizer, tmp_path):
+    plot = tmp_path / "lat.png"
+    rows = run_bench(model, tokenizer, [160], ["streamingllm"], ratios=[0.5], max_new_tokens=4, repeats=1,
+                     plot=plot, batch_sizes=[1, 3], ragged=True)
+    by = {(row["config"], row["batch"]): row for row in rows}
+    assert sorted(by) == [(c, b) for c in ("full", "oracle", "streamingllm r=0.5") for b in (1, 3)]
+    for row in rows:
+        assert row["tok_s"] == pytest.approx(row["batch"] * 1000 / row["decode_ms"])
+    press, full = by["streamingllm r=0.5", 3], by["full", 3]
+    assert press["tok_vs_full"] == pytest.approx(press["tok_s"] / full["tok_s"])
+    # tokens per sequence in the padded batch: the longest row (160 tokens) and the generated ones; StreamingLLM
+    # holds half of the longest row
+    assert full["resident"] == 160 + 3 and press["resident"] == 80
+    assert press["kv_vs_full"] < 0.8  # allocated bytes: the rows' storage, room to grow included
+    assert plot.exists() and (tmp_path / "lat_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tok/s" in bench.format_rows(rows)
+
+
 # --- bad inputs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, message",
