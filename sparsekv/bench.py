@@ -426,6 +426,59 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
     return rows
 
 
+# --- capacity: the largest batch within a memory budget -------------------------------------------------------------
+def model_mb(model) -> float:
+    """Megabytes of the model's parameters and buffers."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, memory_budget_gb: float = 8.0,
+                 max_batch: int = 64, max_new_tokens: int = 16) -> list[dict]:
+    """For the full cache, each press and its oracle at each length: the largest batch (1, 2, 4, ... up to
+    `max_batch`) whose measured memory fits `memory_budget_gb`, and its decoding tokens/s.
+
+    Memory is the model's weights plus the run's peak above its start: the process's resident set on a CPU,
+    `torch.cuda.max_memory_allocated` on a GPU. Each batch size is measured once; the search stops at the first
+    that does not fit. A configuration whose batch of 1 does not fit gets batch 0.
+    """
+    ratios = [0.1] if ratios is None and budgets is None else ratios
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    check_inputs(lengths, presses, ratios, budgets, max_new_tokens, 1, limit)
+    if not memory_budget_gb > 0:
+        raise ValueError(f"--memory-budget: must be a positive number of GB; got {memory_budget_gb}.")
+    settings = list(dict.fromkeys(s for triple in plan(lengths, presses, ratios, budgets) for s in triple[1:] + triple[:1]))
+    source, _ = build_needle_prompt(tokenizer, math.ceil(1.03 * max(lengths)) + 16)
+    source = source.to(model.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    weights, budget_mb = model_mb(model), memory_budget_gb * 1024
+    rows = []
+    for base in tqdm(settings, desc="capacity"):
+        best, batch = None, 1
+        while batch <= max_batch:
+            setting = Setting(base.press, base.length, base.ratio, base.budget, batch)
+            ids, mask = batch_inputs(source, setting.row_lengths(), pad)
+            run = measure(model, ids, setting.make_press(tokenizer), max_new_tokens, pad, mask)
+            memory = weights + (run["cuda_peak_mb"] if run["cuda_peak_mb"] is not None else run["peak_mb"])
+            if memory > budget_mb:
+                break
+            best = {"memory_mb": memory, "tok_s": batch * 1000 / statistics.median(run["steps_ms"])}
+            batch *= 2
+        rows.append({"config": base.label(lengths), "length": base.length, "kept": base.kept,
+                     "batch": batch // 2 if best else 0, "capped": best is not None and batch > max_batch,
+                     "memory_mb": best["memory_mb"] if best else None, "tok_s": best["tok_s"] if best else None})
+    return rows
+
+
+def format_capacity(rows: list[dict], memory_budget_gb: float) -> str:
+    for row in rows:
+        row["largest batch"] = f"{row['batch']}{'+' if row['capped'] else ''}"
+    columns = [("config", "config", ""), ("length", "length", "d"), ("KV kept tok", "kept", "d"),
+               (f"largest batch in {memory_budget_gb:g} GB", "largest batch", ""),
+               ("its memory MB", "memory_mb", ".0f"), ("its tok/s", "tok_s", ".1f")]
+    return format_table(rows, columns)
+
+
 # --- command line (the `bench` entry of sparsekv.cli.COMMANDS) ---------------------------------------------------
 def add_arguments(parser) -> None:
     """Options of `sparsekv bench`."""
@@ -447,6 +500,11 @@ def add_arguments(parser) -> None:
     add("--batch-sizes", type=_csv(_int_at_least(1)), default=[1],
         help="prompts decoded together, comma-separated (default: 1); with several, --plot also draws tokens/s "
         "against batch size")
+    add("--memory-budget", type=float, metavar="GB",
+        help="instead of timing: the largest batch (1, 2, 4, ... up to --max-batch) each configuration fits in GB "
+        "(weights + measured peak), and its tokens/s")
+    add("--max-batch", type=_int_at_least(1), default=64, help="largest batch tried by --memory-budget "
+        "(default: %(default)s)")
     add("--ragged", action="store_true",
         help="rows of different lengths in a batch: from --lengths down to half of it, left-padded")
     add("--repeats", type=_int_at_least(1), default=3, help="timed runs per configuration (default: %(default)s)")
@@ -469,8 +527,17 @@ def run_command(args) -> int:
         check_inputs(args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens, args.repeats,
                      spec.context_length if spec else None, args.plot, args.json)
         plan(args.lengths, args.presses, ratios, args.budgets, args.batch_sizes, args.ragged)
+        if args.memory_budget is not None and (args.memory_budget <= 0 or args.batch_sizes != [1] or args.ragged):
+            raise ValueError("--memory-budget: a positive number of GB, without --batch-sizes or --ragged (it "
+                             "searches the batch size itself).")
         model, tokenizer = load_model(args.model, dtype=dtype, attn_implementation=args.attn_implementation,
                                       device_map=device)
+        if args.memory_budget is not None:
+            print(f"{args.model}, {device}, {torch.get_num_threads()} threads, {args.max_new_tokens} new tokens")
+            rows = run_capacity(model, tokenizer, args.lengths, args.presses, ratios, args.budgets,
+                                args.memory_budget, args.max_batch, args.max_new_tokens)
+            print(format_capacity(rows, args.memory_budget))
+            return 0
         title = f"{args.model}, {device}, {torch.get_num_threads()} threads, median of {args.repeats}"
         print(title)
         rows = run_bench(model, tokenizer, args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens,

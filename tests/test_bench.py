@@ -181,6 +181,28 @@ def test_batched_run_reports_throughput_per_batch(model, tokenizer, tmp_path):
     assert "tok/s" in bench.format_rows(rows)
 
 
+def test_capacity_finds_the_largest_batch_within_the_budget(model, tokenizer, monkeypatch):
+    """Memory is faked as the KV the batch holds (the real peak is noise for a tiny model): the press keeping
+    half the prompt fits twice the full cache's batch, and the search stops at `max_batch`."""
+    real = bench.measure
+
+    def measure(model, ids, press, new_tokens, pad, mask):
+        run = real(model, ids, press, new_tokens, pad, mask)
+        return {**run, "peak_mb": ids.shape[0] * run["resident"]}  # 1 MB per token held
+
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "model_mb", lambda model: 0.0)
+    rows = bench.run_capacity(model, tokenizer, [200], ["streamingllm"], ratios=[0.5], memory_budget_gb=850 / 1024,
+                              max_batch=8, max_new_tokens=2)
+    by = {row["config"]: row for row in rows}
+    assert by["full"]["batch"] == 4 and by["full"]["memory_mb"] == 4 * 201  # 8 x 201 tokens exceed 850
+    assert by["streamingllm r=0.5"]["batch"] == 8 and by["streamingllm r=0.5"]["capped"]  # 8 x 100 fit: capped
+    assert by["full"]["tok_s"] > 0
+    assert "largest batch in 0.83 GB" in bench.format_capacity(rows, 0.83) and "8+" in bench.format_capacity(rows, 1)
+    with pytest.raises(ValueError, match="--memory-budget: must be a positive number"):
+        bench.run_capacity(model, tokenizer, [200], ["streamingllm"], memory_budget_gb=0)
+
+
 # --- bad inputs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, message",
@@ -218,6 +240,7 @@ def test_command_line(model_dir, tmp_path, capsys):
         (["--lengths", "5000"], "exceeds the model's context"),
         (["--ratios", "0"], "must be in (0, 1]"),
         (["--ratios", "0.5", "--budgets", "10"], "not allowed with argument"),
+        (["--memory-budget", "1", "--batch-sizes", "1,2"], "--memory-budget: a positive number of GB, without"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
