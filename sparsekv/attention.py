@@ -55,7 +55,7 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:
     """RoPE on `x` `(batch, heads, tokens, head_dim)` with the `(cos, sin)` of exactly these tokens; `inverse`
     undoes it (keys as they were before RoPE). Partial rotary (Phi3) rotates the first dims only."""
-    cos, sin = (t.unsqueeze(1).to(x.dtype) for t in position_embeddings)
+    cos, sin = (t.unsqueeze(1) if t.dtype == x.dtype else t.unsqueeze(1).to(x.dtype) for t in position_embeddings)
     rot = cos.shape[-1]
     if rot == x.shape[-1]:  # full rotary: no pass-through part to join back (fewer ops per decoding step)
         return x * cos + _rotate_half(x) * (-sin if inverse else sin)
@@ -66,20 +66,28 @@ def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch
 def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention `(batch, kv_heads, group, q, k)` in float32, query heads grouped by their KV head.
 
-    `mask` is boolean, broadcastable to `(batch, 1, 1, q, k)`, True where attention is allowed.
+    `mask` is boolean, broadcastable to `(batch, 1, 1, q, k)`, True where attention is allowed; None: every
+    query sees every key (a decoding step on a cache of real tokens: no mask to build, nothing to check).
     """
     b, h_q, n_q, d = queries.shape
     h_kv = keys.shape[1]
-    q = queries.reshape(b, h_kv, h_q // h_kv * n_q, d).float()
-    logits = (q @ keys.float().transpose(-1, -2)).view(b, h_kv, h_q // h_kv, n_q, -1).mul_(module.scaling)
+    q = as_float(queries.reshape(b, h_kv, h_q // h_kv * n_q, d))
+    logits = (q @ as_float(keys).transpose(-1, -2)).view(b, h_kv, h_q // h_kv, n_q, -1).mul_(module.scaling)
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    if mask is None:
+        return logits.softmax(dim=-1)
     logits.masked_fill_(~mask, float("-inf"))
     probs = logits.softmax(dim=-1)
     if not bool(mask.any(dim=-1).all()):  # fully masked rows (padding queries) give NaN: make them zeros
         probs = probs.nan_to_num_(0.0)
     return probs
+
+
+def as_float(x: torch.Tensor) -> torch.Tensor:
+    """`x` in float32 (no dispatch when it is already: decoding steps count their ops)."""
+    return x if x.dtype == torch.float32 else x.float()
 
 
 @dataclass
@@ -139,7 +147,12 @@ class AttentionCall:
     def probs(self, keys: torch.Tensor, mask: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Attention of input queries `start:end` over `keys`, `(batch, kv_heads, group, q, k)`.
 
-        `mask` `(batch, q, k)` says which keys each query may see; padding queries get zero rows.
+        `mask` `(batch, q, k)` says which keys each query may see; padding queries get zero rows. None: every
+        query sees every key.
         """
+        if mask is None:
+            if self.input_valid is None:
+                return attention_probs(self.module, self.queries(start, end), keys, None)
+            mask = torch.ones(1, 1, keys.shape[-2], dtype=torch.bool, device=keys.device)
         mask = mask & self.valid()[:, start:end, None]
         return attention_probs(self.module, self.queries(start, end), keys, mask[:, None, None])

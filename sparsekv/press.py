@@ -195,7 +195,9 @@ class Press:
         if layer.slots <= budget:
             return
         if layer.slots == budget + 1:
-            layer.evict(scores.masked_fill(~layer.valid[:, None, :], float("inf")).argmin(dim=-1))
+            if not layer.all_valid:  # filler slots are never victims
+                scores = scores.masked_fill(~layer.valid[:, None, :], float("inf"))
+            layer.evict(scores.argmin(dim=-1))
             return
         q = cache.forward.q_len
         if q <= int(cache.budgets.min()):

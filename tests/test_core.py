@@ -238,6 +238,25 @@ def test_never_over_budget_across_long_decode(name):
     assert cache.get_seq_length() == 130
 
 
+def test_streaming_llm_rolls_every_row_of_a_padded_batch_past_a_full_turn():
+    """The victim of a step is planned once for every layer: after more steps than a row's window holds, each
+    layer and head of each row holds exactly its sinks and its most recent tokens (rows of different budgets)."""
+    model = make_model("llama", "sdpa")
+    lengths, sinks, steps = (30, 50), 4, 40
+    ids = torch.zeros(2, 50, dtype=torch.long)
+    mask = torch.zeros(2, 50, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, 50 - n:], mask[i, 50 - n:] = prompt(n, seed=i)[0], 1
+    with StreamingLLMPress(ratio=0.4, n_sinks=sinks)(model):
+        out = greedy(model, ids, mask, new=steps + 1, return_dict_in_generate=True)
+    for i, n in enumerate(lengths):
+        budget, start, end = round(0.4 * n), 50 - n, 50 + steps
+        expected = torch.cat([torch.arange(start, start + sinks), torch.arange(end - (budget - sinks), end)])
+        for layer in compressed_layers(out.cache):
+            real = layer.positions[i][:, layer.valid[i]]
+            assert torch.equal(real.sort(-1).values, expected.expand(2, -1)), (i, real)
+
+
 def test_h2o_eager_weights_and_sdpa_recompute_agree():
     kept = {}
     for impl in ("eager", "sdpa"):

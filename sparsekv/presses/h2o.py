@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall
-from ..cache import KVLayer, SparseCache
+from ..cache import Forward, KVLayer, SparseCache
 from ..press import Press, check_number
 
 
@@ -43,12 +43,25 @@ class H2OPress(Press):
         self.block_size = check_number("H2OPress", "block_size", self.block_size, integer=True, low=1,
                                        unit="queries")
 
+    def recent_start(self, cache: SparseCache, length: int) -> torch.Tensor:
+        """`(batch, 1, 1)` first position of each row's recent window once `length` tokens are seen."""
+        recent = (cache.budgets.double() * self.recent_ratio).round().long()
+        return (length - recent)[:, None, None]
+
+    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
+        """A decoding step: every layer's recent window, found once (all layers see the same tokens)."""
+        layers = cache.compressed_layers()
+        if cache.budgets is not None and layers:
+            start = self.recent_start(cache, layers[0].logical_len + forward.q_len)
+            forward.plan = start.to(layers[0].positions.device)
+
     def heavy_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Normalised received attention; the row's most recent tokens score +inf (always kept)."""
-        seen_by = (layer.logical_len - layer.positions).clamp(min=1)
+        seen_by = (layer.logical_len - layer.positions).clamp_(min=1)
         scores = layer.extra["received"] / seen_by
-        recent = (cache.budgets.to(scores.device).double() * self.recent_ratio).round().long()[:, None, None]
-        return scores.masked_fill(layer.positions >= layer.logical_len - recent, float("inf"))
+        start = cache.forward.plan
+        start = self.recent_start(cache, layer.logical_len) if start is None else start
+        return scores.masked_fill_(layer.positions >= start.to(scores.device), float("inf"))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
@@ -79,6 +92,8 @@ class H2OPress(Press):
             b, h_q, q, n = call.weights.shape
             h_kv = layer.keys.shape[1]
             received = call.weights.float().view(b, h_kv, h_q // h_kv, q, n).sum(dim=(2, 3))
+        elif call.q_len == 1 and layer.all_valid:  # one new token, every slot real: it sees them all, no mask
+            received = call.probs(layer.keys, None).sum(dim=(2, 3))
         else:
             new = torch.arange(layer.slots - call.q_len, layer.slots, device=layer.keys.device)
             visible = layer.valid[:, None, :] & (torch.arange(layer.slots, device=new.device) <= new[:, None])

@@ -290,16 +290,15 @@ class SentencePress(SnapKVPress):
         per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
         not care about slot order (keys carry their RoPE), so the loaded region needs none.
         """
-        if layer.state.resident is None:  # at compress: the region is free, chosen slots fill it from the front
-            enter = chosen
-            target = (chosen.cumsum(-1) - 1)[chosen]
-        else:
-            enter = chosen > layer.state.resident  # chosen, not resident
-            target = layer.state.device_slot[layer.state.resident > chosen]  # the slots of those that leave
+        resident, layer.state.resident = layer.state.resident, chosen
+        enter = chosen if resident is None else chosen > resident  # chosen, not resident
         row, head, slot = enter.nonzero().unbind(-1)
-        layer.state.resident = chosen
         if slot.numel() == 0:  # the selection did not change: everything is resident already
             return 0
+        if resident is None:  # at compress: the region is free, chosen slots fill it from the front
+            target = (chosen.cumsum(-1) - 1)[chosen]
+        else:
+            target = layer.state.device_slot[resident > chosen]  # the slots of those that leave
         layer.load(row, head, slot, target)
         layer.state.device_slot[row, head, slot] = target
         return slot.numel()
