@@ -29,6 +29,7 @@ def rules(ratio: float) -> dict[str, CHESSPress]:
         "mean pooling, ratio split evenly (default)": CHESSPress(ratio=ratio),
         "max pooling, ratio split evenly": CHESSPress(ratio=ratio, pooling="max"),
         "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio)),
+        "pages only, page vectors not centred": CHESSPress(ratios=(1.0, 1.0, ratio), centre=False),
     }
 
 

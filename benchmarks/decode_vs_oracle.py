@@ -3,10 +3,13 @@
 `sparsekv bench` times whole generations; on a shared CPU its decode / oracle ratio moves by 10-20% between
 runs, more than a press's own per-step work. Here each press prefills the prompt once; every repeat decodes
 `--steps` greedy steps from a copy of that cache, right after which the oracle (the full cache on the prompt's
-last `ratio * length` tokens) decodes as many from a copy of its own. The table gives the median step of each
-configuration and its ratio to the oracle's median.
+last `ratio * length` tokens) decodes as many from a copy of its own, and so does the full cache. The table
+gives the median step of each configuration and its ratio to the oracle's median. `--batch 1,4` decodes 1, then 4
+copies of the prompt at once (every row its own budget and state; a step reads the KV of every row), and
+`--plot` draws tokens/s against batch size.
 
     PYTHONPATH=. python benchmarks/decode_vs_oracle.py --presses chunkkv,chunkkv:reuse_layers=1,snapkv
+    PYTHONPATH=. python benchmarks/decode_vs_oracle.py --length 4096 --batch 1,4 --presses snapkv,h2o --plot batch.png
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from sparsekv.bench import plot_throughput
 from sparsekv.evaluation.presses import make_press
 from sparsekv.models import load_model
 from sparsekv.niah import build_needle_prompt
@@ -35,6 +39,36 @@ def median_step_ms(model, cache, token: torch.Tensor, steps: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def measure(model, tokenizer, ids, specs, ratio, steps, repeats) -> list[dict]:
+    """Median step (ms) of every press in `specs`, the oracle and the full cache on the prompts `ids`."""
+    prefilled = {}
+    for spec in tqdm(specs, desc=f"prefill, batch {ids.shape[0]}"):
+        press = make_press(spec, ratio=ratio, tokenizer=tokenizer)
+        with press(model):
+            out = model(ids, use_cache=True)
+        prefilled[spec] = press, out.cache, out.logits[:, -1:].argmax(-1)
+    references = {}
+    for name, context in (("oracle", ids[:, -round(ratio * ids.shape[1]):]), ("full", ids)):
+        out = model(context, use_cache=True)
+        references[name] = out.cache, out.logits[:, -1:].argmax(-1)
+
+    times = {name: [] for name in [*specs, *references]}
+    for _ in tqdm(range(repeats), desc="repeats"):
+        for spec, (press, cache, token) in prefilled.items():
+            with press(model):
+                times[spec].append(median_step_ms(model, copy.deepcopy(cache), token, steps))
+            cache, token = references["oracle"]  # right after each press: the two see the same machine load
+            times["oracle"].append(median_step_ms(model, copy.deepcopy(cache), token, steps))
+        cache, token = references["full"]
+        times["full"].append(median_step_ms(model, copy.deepcopy(cache), token, steps))
+    oracle, full = statistics.median(times["oracle"]), statistics.median(times["full"])
+    batch = ids.shape[0]
+    return [{"config": name, "batch": batch, "length": ids.shape[1], "ms": statistics.median(v),
+             "ratio": statistics.median(v) / oracle, "speedup": full / statistics.median(v),
+             "tok_s": 1000 * batch / statistics.median(v), "spread": f"{min(v):.1f}-{max(v):.1f}"}
+            for name, v in times.items()]
+
+
 @torch.no_grad()
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -45,37 +79,34 @@ def main():
     parser.add_argument("--ratio", type=float, default=0.1, help="fraction of the prompt's KV kept (default: 0.1)")
     parser.add_argument("--steps", type=int, default=40, help="decoding steps per repeat (default: 40)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (default: 5)")
+    parser.add_argument("--batch", default="1", help="copies of the prompt decoded together, comma-separated "
+                                                     "batch sizes (default: 1)")
+    parser.add_argument("--plot", metavar="FILE.png", help="write tokens/s against batch size (several --batch)")
     args = parser.parse_args()
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        parser.error(f"--batch: comma-separated integers; got {args.batch!r}.")
     if not 0 < args.ratio <= 1:
         parser.error(f"--ratio: a fraction in (0, 1]; got {args.ratio}.")
-    if args.steps < 1 or args.repeats < 1:
-        parser.error("--steps and --repeats: at least 1.")
+    if args.steps < 1 or args.repeats < 1 or min(batches) < 1:
+        parser.error("--steps, --repeats and --batch: at least 1.")
 
     model, tokenizer = load_model(args.model)
     source, _ = build_needle_prompt(tokenizer, int(1.04 * args.length) + 16)
     ids = source[:, -args.length:]
-    specs = args.presses.split(",")
-    prefilled = {}
-    for spec in tqdm(specs, desc="prefill"):
-        press = make_press(spec, ratio=args.ratio, tokenizer=tokenizer)
-        with press(model):
-            out = model(ids, use_cache=True)
-        prefilled[spec] = press, out.cache, out.logits[:, -1:].argmax(-1)
-    out = model(ids[:, -round(args.ratio * args.length):], use_cache=True)
-    oracle = out.cache, out.logits[:, -1:].argmax(-1)
-
-    steps = {name: [] for name in [*specs, "oracle"]}
-    for _ in tqdm(range(args.repeats), desc="repeats"):
-        for spec, (press, cache, token) in prefilled.items():
-            with press(model):
-                steps[spec].append(median_step_ms(model, copy.deepcopy(cache), token, args.steps))
-            steps["oracle"].append(median_step_ms(model, copy.deepcopy(oracle[0]), oracle[1], args.steps))
-    reference = statistics.median(steps["oracle"])
-    rows = [{"config": name, "ms": statistics.median(v), "ratio": statistics.median(v) / reference,
-             "spread": f"{min(v):.1f}-{max(v):.1f}"} for name, v in steps.items()]
-    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}, {args.repeats} x {args.steps} steps")
-    print(format_table(rows, [("config", "config", ""), ("decode ms/step", "ms", ".2f"),
-                              ("decode / oracle", "ratio", ".3f"), ("repeats' range", "spread", "")]))
+    rows = []
+    for batch in batches:
+        rows += measure(model, tokenizer, ids.expand(batch, -1), args.presses.split(","), args.ratio, args.steps,
+                        args.repeats)
+    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}, median step of {args.repeats} x "
+          f"{args.steps}; tok/s over the batch")
+    print(format_table(rows, [("config", "config", ""), ("batch", "batch", ""), ("decode ms/step", "ms", ".2f"),
+                              ("decode / oracle", "ratio", ".3f"), ("full / decode", "speedup", ".2f"),
+                              ("tok/s", "tok_s", ".1f"), ("repeats' range", "spread", "")]))
+    if args.plot:
+        print("plot:", plot_throughput(rows, args.plot, f"{args.model}, {args.length}-token prompts, ratio "
+                                                        f"{args.ratio}: decoding throughput"))
 
 
 if __name__ == "__main__":

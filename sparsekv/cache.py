@@ -153,13 +153,16 @@ class SparseCache(RowState, Cache):
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
         self.forward = Forward(input_ids, valid, q_len)
-        if self.prompt_lengths is None:
+        first = self.prompt_lengths is None
+        if first:
             real = valid if valid is not None else torch.ones(batch, q_len, dtype=torch.bool)
             self.prompt_lengths = real.sum(-1).cpu()
             self.prompt_start = (q_len - self.prompt_lengths).clamp(min=0)
         if self.press.reads_input_ids and input_ids is None:
             raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
-        self.press.begin_forward(self, self.forward)
+        start = time.perf_counter()
+        self.press.begin_forward(self, self.forward)  # its plan is press work of this step (or of the prompt)
+        self.seconds["compress" if first else "step"] += time.perf_counter() - start
 
     def before_layer(self, module: torch.nn.Module, hidden: torch.Tensor,
                      position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> Any:

@@ -458,6 +458,8 @@ def test_device_map_auto_gives_the_same_answers(tmp_path, model_dir, monkeypatch
     """`--device-map auto` (accelerate's dispatch; everything on the CPU here) answers as the plain load does."""
     import transformers
 
+    from sparsekv.models import auto_device
+
     maps, load = [], transformers.AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **kw: maps.append(kw.get("device_map")) or load(*a, **kw))
@@ -470,7 +472,8 @@ def test_device_map_auto_gives_the_same_answers(tmp_path, model_dir, monkeypatch
         runs[name] = sorted((path.relative_to(out).as_posix(), [json.loads(line)["prediction"] for line in
                              path.read_text().splitlines()]) for path in out.rglob("predictions.jsonl"))
     assert len(runs["auto"]) == 2 and runs["auto"] == runs["plain"]
-    assert maps == [None, "auto"]  # the map really reached from_pretrained
+    # The map really reached from_pretrained; a plain load goes to the auto device (the CPU here).
+    assert maps == [auto_device(), "auto"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -120,6 +120,8 @@ class CHESSPress(Press):
             eq. 4 score is the mean of its children's scores) or "max" (sparsekv's: its best child's score). In
             real prose the mean of 4 or 16 pages drowns the one page that matters, and Algorithm 1's upper levels
             discard the grid or chunk of a page that ranks among the best (`benchmarks/chess_affinity.py`).
+            Measured on Qwen2.5-0.5B at 4k tokens and ratio 0.1: 65% of codes found in real prose against 20%
+            with the mean; 90% against 95% of multi-key needles in the filler haystack (docs/results.md).
     """
 
     preset: str | None = None
