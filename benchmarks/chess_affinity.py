@@ -50,6 +50,25 @@ def value_tokens(tokenizer, prompt_ids: torch.Tensor, answer: str) -> tuple[int,
     return first, bisect.bisect_left(range(len(ids) + 1), start + len(answer), key=decoded)
 
 
+def needle_arguments(parser: argparse.ArgumentParser, ratio: float, samples: int) -> None:
+    """The options of a per-sample needle benchmark: --model, --task, --length, --ratio, --samples."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--task", default="prose_code", choices=list(TASKS))
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--ratio", type=float, default=ratio)
+    parser.add_argument("--samples", type=int, default=samples, help="needle depths swept evenly, ends included")
+
+
+def swept_samples(tokenizer, task: str, length: int, samples: int):
+    """The prompts of `sparsekv eval` at `samples` needle depths swept evenly, ends included: for each, its depth,
+    the sample, its prompt ids and the value's token span `(first, end)` (`value_tokens`)."""
+    for i in range(samples):
+        depth = i / max(samples - 1, 1)
+        sample = TASKS[task].make(tokenizer, length, i, depth, None)
+        ids = encode(tokenizer, sample).ids
+        yield depth, sample, ids, value_tokens(tokenizer, ids, sample.answers[0])
+
+
 @torch.no_grad()
 def page_scores(model, ids: torch.Tensor, press: CHESSPress):
     """Eq. 4 score of every page after the prompt `ids` (-inf for pages that are not candidates), and the

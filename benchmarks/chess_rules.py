@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from chess_affinity import value_tokens
+from chess_affinity import needle_arguments, swept_samples
 from tqdm.auto import tqdm
 
 from sparsekv import CHESSPress
-from sparsekv.evaluation.prompts import encode
-from sparsekv.evaluation.tasks import TASKS
 from sparsekv.models import load_model
 from sparsekv.table import format_table
 
@@ -36,21 +34,14 @@ def rules(ratio: float) -> dict[str, CHESSPress]:
 @torch.no_grad()
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--task", default="prose_code", choices=list(TASKS))
-    parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--ratio", type=float, default=0.1)
-    parser.add_argument("--samples", type=int, default=20, help="needle depths swept evenly, ends included")
+    needle_arguments(parser, ratio=0.1, samples=20)
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     presses = rules(args.ratio)
     kept = {name: 0 for name in presses}
     pages = {name: [] for name in presses}
-    for i in tqdm(range(args.samples), desc="samples"):
-        depth = i / max(args.samples - 1, 1)
-        sample = TASKS[args.task].make(tokenizer, args.length, i, depth, None)
-        ids = encode(tokenizer, sample).ids
-        first, end = value_tokens(tokenizer, ids, sample.answers[0])
+    for _, _, ids, (first, end) in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
+                                        total=args.samples, desc="samples"):
         first_press = next(iter(presses.values()))
         with first_press(model):
             out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)

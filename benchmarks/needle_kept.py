@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from chess_affinity import value_tokens
+from chess_affinity import needle_arguments, swept_samples
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from sparsekv import make_press
-from sparsekv.evaluation.prompts import encode
 from sparsekv.evaluation.scoring import score
 from sparsekv.evaluation.tasks import TASKS
 from sparsekv.models import load_model
@@ -31,24 +30,17 @@ from sparsekv.table import format_table
 @torch.no_grad()
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--task", default="prose_code", choices=list(TASKS))
-    parser.add_argument("--length", type=int, default=4096)
+    needle_arguments(parser, ratio=0.25, samples=10)
     parser.add_argument("--presses", type=split_specs, default=["snapkv", "chunkkv"])
-    parser.add_argument("--ratio", type=float, default=0.25)
-    parser.add_argument("--samples", type=int, default=10, help="needle depths swept evenly, ends included")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     generation = GenerationConfig(do_sample=False, max_new_tokens=TASKS[args.task].max_new_tokens,
                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=model.generation_config.eos_token_id)
     presses = {spec: make_press(spec, tokenizer=tokenizer, ratio=args.ratio) for spec in args.presses}
     rows = []
-    for i in tqdm(range(args.samples), desc="samples"):
-        depth = i / max(args.samples - 1, 1)
-        sample = TASKS[args.task].make(tokenizer, args.length, i, depth, None)  # the samples of `sparsekv eval`
-        ids = encode(tokenizer, sample).ids
+    for depth, sample, ids, (first, end) in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
+                                                 total=args.samples, desc="samples"):
         answer = sample.answers[0]
-        first, end = value_tokens(tokenizer, ids, answer)
         prefill = Prefill.run(model, ids)
         for spec, press in presses.items():
             cache = prefill.compress(press)
