@@ -150,9 +150,9 @@ class AttentionCall:
         `mask` `(batch, q, k)` says which keys each query may see; padding queries get zero rows. None: every
         query sees every key.
         """
-        if mask is None:
-            if self.input_valid is None:
-                return attention_probs(self.module, self.queries(start, end), keys, None)
-            mask = torch.ones(1, 1, keys.shape[-2], dtype=torch.bool, device=keys.device)
-        mask = mask & self.valid()[:, start:end, None]
-        return attention_probs(self.module, self.queries(start, end), keys, mask[:, None, None])
+        queries = self.queries(start, end)
+        if mask is None and self.input_valid is None:
+            return attention_probs(self.module, queries, keys, None)
+        valid = self.valid()[:, start:end, None]  # (batch, q, 1): broadcast over the keys
+        mask = valid if mask is None else mask & valid
+        return attention_probs(self.module, queries, keys, mask[:, None, None])
