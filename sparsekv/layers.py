@@ -97,17 +97,17 @@ class KVLayer(RowState, CacheLayerMixin):
         after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
         layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does).
         """
-        current = where[name] if where is not None else getattr(self, name)
+        holder = self.__dict__ if where is None else where
+        current = holder[name]
         dim = slot_dim(current)
         if new.requires_grad or current.requires_grad:  # a differentiable forward: no in-place writes
-            grown = torch.cat([current, new], dim=dim)
-        else:
-            with torch.no_grad():  # the buffer may be a view made by press work (under no_grad)
-                grown = append_in_place(current, new, dim)
-        if where is not None:
-            where[name] = grown
-        else:
-            setattr(self, name, grown)
+            holder[name] = torch.cat([current, new], dim=dim)
+            return
+        if torch.is_grad_enabled():  # the buffer may be a view made by press work (under no_grad)
+            with torch.no_grad():
+                holder[name] = append_in_place(current, new, dim)
+        else:  # generate runs without gradients: no context to enter at every step
+            holder[name] = append_in_place(current, new, dim)
 
     # --- selection plumbing, used by presses -------------------------------------------------------------------
     def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
@@ -365,14 +365,18 @@ def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:
         step *= size
     if list(t.stride()) != strides or t.untyped_storage().nbytes() < step * t.element_size():
         return None
-    return t.as_strided(shape, strides)
+    # A tensor of its own over the storage (not a view of `t`): views of it have it as their `_base`, which is
+    # how the next append finds the room (`append_in_place`).
+    return t.new_empty(0).set_(t.untyped_storage(), 0, shape, strides)
 
 
 def append_in_place(current: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     """`current` and `new` joined along `dim`: written into the room behind `current`, or into a new buffer with
     `GROW` free slots when it has none."""
     n, q = current.shape[dim], new.shape[dim]
-    room = buffer_of(current, n + q)
+    room = current._base  # a decoding step: the view of a buffer made by the last append (or an eviction)
+    if room is None or room.shape[dim] < n + q or not is_prefix(current, room, dim):
+        room = buffer_of(current, n + q)
     if room is None:
         shape = list(current.shape)
         shape[dim] = n + q + GROW
@@ -380,6 +384,12 @@ def append_in_place(current: torch.Tensor, new: torch.Tensor, dim: int) -> torch
         room.narrow(dim, 0, n).copy_(current)
     room.narrow(dim, n, q).copy_(new)
     return room.narrow(dim, 0, n + q)
+
+
+def is_prefix(t: torch.Tensor, base: torch.Tensor, dim: int) -> bool:
+    """Whether `t` is `base`'s first slots along `dim` (as `base.narrow(dim, 0, n)` makes it)."""
+    return (t.storage_offset() == base.storage_offset() and t.stride() == base.stride()
+            and t.shape[:dim] == base.shape[:dim] and t.shape[dim + 1:] == base.shape[dim + 1:])
 
 
 def allocated(t: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import ClassVar
 
 import pytest
@@ -124,6 +125,36 @@ def test_appends_are_written_in_place_between_reallocations():
     assert buffer_of(torch.zeros(1, 5).expand(3, 5), 5) is None  # broadcast views are never written into
 
 
+def test_appends_after_an_eviction_or_a_copy_stay_in_place_and_never_touch_another_tensor():
+    layer = KVLayer()
+    k = torch.randn(1, 2, 6, 4)
+    layer.update(k, k.clone())
+    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # now a view of a buffer with room
+    layer.evict(torch.tensor([[0, 3]]))  # a shorter view of the same buffer: its room is still used
+    ptr, expected = layer.keys.data_ptr(), layer.keys.clone()
+    new = torch.randn(1, 2, 1, 4)
+    layer.update(new, new)
+    assert layer.keys.data_ptr() == ptr and torch.equal(layer.keys, torch.cat([expected, new], dim=2))
+
+    copy_ = copy.deepcopy(layer)  # its own storage: appends to it leave the original alone, and vice versa
+    before = layer.keys.clone()
+    for _ in range(3):
+        copy_.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert torch.equal(layer.keys, before)
+    assert copy_.keys.untyped_storage().data_ptr() != layer.keys.untyped_storage().data_ptr()
+    appended = torch.randn(1, 2, 1, 4)
+    layer.update(appended, appended)
+    assert torch.equal(layer.keys[:, :, -1:], appended) and torch.equal(layer.keys[:, :, :-1], before)
+
+    shifted = KVLayer()  # a view that starts inside its base is not the base's prefix: a new buffer, base untouched
+    base = torch.randn(1, 2, 10, 4)
+    shifted.update(base[:, :, 2:6], base[:, :, 2:6].clone())
+    snapshot = base.clone()
+    shifted.keys = base[:, :, 2:6]
+    shifted.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert torch.equal(base, snapshot)
+
+
 def test_hooks_removed_and_model_unchanged():
     model = make_model("qwen3")
     ids = prompt(40)
@@ -134,6 +165,16 @@ def test_hooks_removed_and_model_unchanged():
         greedy(model, ids)
     assert hook_count(model) == hooks
     assert torch.equal(model(ids).logits, before)
+
+
+def test_query_projections_are_hooked_only_for_presses_that_read_step_queries():
+    model = make_model("llama")
+    projection = model.model.layers[0].self_attn.q_proj
+    with SnapKVPress(ratio=0.5, window_size=8)(model):
+        assert not projection._forward_hooks  # a hook would slow every call of it down for nothing
+    with H2OPress(ratio=0.5)(model):
+        assert len(projection._forward_hooks) == 1
+        greedy(model, prompt(40))
 
 
 def test_hooks_removed_after_exception():

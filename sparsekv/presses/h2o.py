@@ -57,11 +57,11 @@ class H2OPress(Press):
 
     def heavy_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Normalised received attention; the row's most recent tokens score +inf (always kept)."""
-        seen_by = (layer.logical_len - layer.positions).clamp_(min=1)
-        scores = layer.extra["received"] / seen_by
+        scores = layer.extra["received"] / (layer.logical_len - layer.positions)  # every slot was seen: >= 1
         start = cache.forward.plan
-        start = self.recent_start(cache, layer.logical_len) if start is None else start
-        return scores.masked_fill_(layer.positions >= start.to(scores.device), float("inf"))
+        if start is None:  # the prompt: no step plan
+            start = self.recent_start(cache, layer.logical_len).to(scores.device)
+        return scores.masked_fill_(layer.positions >= start, float("inf"))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
