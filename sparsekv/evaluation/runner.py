@@ -350,8 +350,8 @@ def load_and_evaluate(config: EvalConfig, device_map=None, dtype=torch.float32, 
         accelerator = getattr(torch, "accelerator", torch.cuda)
         on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not accelerator.is_available()
         state = PartialState(cpu=on_cpu)
-        if state.num_processes > 1 and device_map is None:
-            device_map = state.device
+    if device_map is None:  # several processes: each its own device; else the one device found above
+        device_map = state.device if state is not None and state.num_processes > 1 else device
     model, tokenizer = load_model(config.model, dtype=dtype, attn_implementation=attn_implementation,
-                                  device_map=device_map if device_map is not None else auto_device())
+                                  device_map=device_map)
     return Evaluator(config, model, tokenizer, state).run_all()
