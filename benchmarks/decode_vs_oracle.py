@@ -2,9 +2,10 @@
 
 `sparsekv bench` times whole generations; on a shared CPU its decode / oracle ratio moves by 10-20% between
 runs, more than a press's own per-step work. Here each press prefills the prompt once; every repeat decodes
-`--steps` greedy steps from a copy of that cache, right after which the oracle (the full cache on the prompt's
-last `ratio * length` tokens) decodes as many from a copy of its own, and so does the full cache. The table
-gives the median step of each configuration and its ratio to the oracle's median. `--batch 1,4` decodes 1, then 4
+`--steps` greedy steps from a copy of that cache, each step followed by one of the oracle (the full cache on the
+prompt's last `ratio * length` tokens, from a copy of its own), so that the two share the machine's load of
+the moment; the full cache decodes as many after them. The table gives the median step of each configuration
+and a press's ratio to the oracle: the median over its (press step / oracle step) pairs, with their quartiles. `--batch 1,4` decodes 1, then 4
 copies of the prompt at once (every row its own budget and state; a step reads the KV of every row), and
 `--plot` draws tokens/s against batch size.
 
@@ -29,18 +30,19 @@ from sparsekv.niah import build_needle_prompt
 from sparsekv.table import format_table
 
 
-def median_step_ms(model, cache, token: torch.Tensor, steps: int) -> float:
-    """Median wall time (ms) of `steps` greedy one-token forwards from `cache` (modified in place)."""
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def step_seconds(model, cache, token: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Wall time of one greedy one-token forward from `cache` (modified in place), and the next token."""
+    start = time.perf_counter()
+    token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return time.perf_counter() - start, token
 
 
 def measure(model, tokenizer, ids, specs, ratio, steps, repeats) -> list[dict]:
-    """Median step (ms) of every press in `specs`, the oracle and the full cache on the prompts `ids`."""
+    """Median step (ms) of every press in `specs`, the oracle and the full cache on the prompts `ids`.
+
+    Each press step is followed by an oracle step (from a copy of the oracle's cache), so the two see the same
+    machine load; a press's ratio is the median over these pairs of press step / oracle step.
+    """
     prefilled = {}
     for spec in tqdm(specs, desc=f"prefill, batch {ids.shape[0]}"):
         press = make_press(spec, ratio=ratio, tokenizer=tokenizer)
@@ -53,20 +55,34 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats) -> list[dict]:
         references[name] = out.cache, out.logits[:, -1:].argmax(-1)
 
     times = {name: [] for name in [*specs, *references]}
+    pairs = {spec: [] for spec in specs}
     for _ in tqdm(range(repeats), desc="repeats"):
         for spec, (press, cache, token) in prefilled.items():
-            with press(model):
-                times[spec].append(median_step_ms(model, copy.deepcopy(cache), token, steps))
-            cache, token = references["oracle"]  # right after each press: the two see the same machine load
-            times["oracle"].append(median_step_ms(model, copy.deepcopy(cache), token, steps))
-        cache, token = references["full"]
-        times["full"].append(median_step_ms(model, copy.deepcopy(cache), token, steps))
+            cache = copy.deepcopy(cache)
+            oracle, oracle_token = copy.deepcopy(references["oracle"][0]), references["oracle"][1]
+            for _ in range(steps):
+                with press(model):
+                    seconds, token = step_seconds(model, cache, token)
+                reference, oracle_token = step_seconds(model, oracle, oracle_token)
+                times[spec].append(1000 * seconds)
+                times["oracle"].append(1000 * reference)
+                pairs[spec].append(seconds / reference)
+        cache, token = copy.deepcopy(references["full"][0]), references["full"][1]
+        for _ in range(steps):
+            seconds, token = step_seconds(model, cache, token)
+            times["full"].append(1000 * seconds)
     oracle, full = statistics.median(times["oracle"]), statistics.median(times["full"])
     batch = ids.shape[0]
-    return [{"config": name, "batch": batch, "length": ids.shape[1], "ms": statistics.median(v),
-             "ratio": statistics.median(v) / oracle, "speedup": full / statistics.median(v),
-             "tok_s": 1000 * batch / statistics.median(v), "spread": f"{min(v):.1f}-{max(v):.1f}"}
-            for name, v in times.items()]
+    rows = []
+    for name, v in times.items():
+        ms = statistics.median(v)
+        ratios = pairs.get(name)
+        quartiles = statistics.quantiles(ratios, n=4) if ratios else None
+        rows.append({"config": name, "batch": batch, "length": ids.shape[1], "ms": ms,
+                     "ratio": statistics.median(ratios) if ratios else ms / oracle, "speedup": full / ms,
+                     "tok_s": 1000 * batch / ms,
+                     "spread": f"{quartiles[0]:.3f}-{quartiles[2]:.3f}" if quartiles else ""})
+    return rows
 
 
 @torch.no_grad()
@@ -99,11 +115,11 @@ def main():
     for batch in batches:
         rows += measure(model, tokenizer, ids.expand(batch, -1), args.presses.split(","), args.ratio, args.steps,
                         args.repeats)
-    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}, median step of {args.repeats} x "
-          f"{args.steps}; tok/s over the batch")
+    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}, {args.repeats} x {args.steps} steps "
+          f"paired with the oracle's; tok/s over the batch")
     print(format_table(rows, [("config", "config", ""), ("batch", "batch", ""), ("decode ms/step", "ms", ".2f"),
                               ("decode / oracle", "ratio", ".3f"), ("full / decode", "speedup", ".2f"),
-                              ("tok/s", "tok_s", ".1f"), ("repeats' range", "spread", "")]))
+                              ("tok/s", "tok_s", ".1f"), ("ratio quartiles", "spread", "")]))
     if args.plot:
         print("plot:", plot_throughput(rows, args.plot, f"{args.model}, {args.length}-token prompts, ratio "
                                                         f"{args.ratio}: decoding throughput"))

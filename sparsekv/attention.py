@@ -34,22 +34,42 @@ def project_queries(module, hidden_states: torch.Tensor, position_embeddings, gr
     return shape_queries(module, projection(hidden_states), position_embeddings, grouped)
 
 
-def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped: bool = False) -> torch.Tensor:
+def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped: bool = False,
+                  rope_matrix: torch.Tensor | None = None) -> torch.Tensor:
     """The query projection's output `(batch, tokens, width)` as the module's queries: split into heads,
     normed (`q_norm`, when the module has one) and rotated with the `(cos, sin)` of these tokens.
 
     `grouped`: summed over the query heads of each KV head's GQA group, `(batch, kv_heads, tokens, head_dim)`.
     RoPE turns every head of a token alike, so a group is summed before it is rotated (one rotation per group).
+    `rope_matrix`: that rotation as `rope_matrix(position_embeddings)` made it (one token), applied in one op.
     """
-    b, n, _ = projected.shape
+    b, n, width = projected.shape
     d = module.head_dim
-    q = projected[..., : module.config.num_attention_heads * d]  # a fused qkv output keeps its queries only
-    q = q.reshape(b, n, -1, d)
+    if width != module.config.num_attention_heads * d:  # a fused qkv output: keep its queries only
+        projected = projected[..., : module.config.num_attention_heads * d]
+    q = projected.reshape(b, n, -1, d)
     if hasattr(module, "q_norm"):
         q = module.q_norm(q)
     if grouped:
         q = q.reshape(b, n, module.config.num_key_value_heads, -1, d).sum(3)
+    if rope_matrix is not None:
+        return q.transpose(1, 2) @ (rope_matrix if rope_matrix.dtype == q.dtype else rope_matrix.to(q.dtype))
     return rotate(q.transpose(1, 2), position_embeddings)
+
+
+def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
+    """RoPE of one token per row as a matrix `(batch, 1, d, d)`: `rotate(x, pe) == x @ rope_matrix(pe, d)` for
+    `x` `(batch, heads, 1, d)`. A decoding step makes it once for every layer, which then rotates its query in
+    one op instead of eight. None when it does not apply (several tokens, partial rotary)."""
+    cos, sin = position_embeddings
+    if cos.shape[1] != 1 or cos.shape[-1] != head_dim:
+        return None
+    half = torch.arange(head_dim // 2, device=cos.device)
+    # rotate_half(x) == x @ turn: its first half is minus x's second half, its second half is x's first half.
+    turn = torch.zeros(head_dim, head_dim, dtype=cos.dtype, device=cos.device)
+    turn[half + head_dim // 2, half] = -1
+    turn[half, half + head_dim // 2] = 1
+    return torch.diag_embed(cos) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
 
 
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:
@@ -104,6 +124,8 @@ class AttentionCall:
             presses that read queries then); `queries()` then shapes it instead of recomputing it.
         capture: whether this call captures its projection (set by the cache: after the prompt, for presses
             that read step queries).
+        rope: RoPE of a one-token input as a matrix (`rope_matrix`), made once per forward by the cache for
+            every layer's `queries()`; None: rotate as the module does.
     """
 
     module: torch.nn.Module
@@ -113,6 +135,7 @@ class AttentionCall:
     input_valid: torch.Tensor | None
     projected: torch.Tensor | None = None
     capture: bool = False
+    rope: torch.Tensor | None = None
 
     @property
     def q_len(self) -> int:
@@ -121,6 +144,8 @@ class AttentionCall:
     def queries(self, start: int = 0, end: int | None = None, grouped: bool = False) -> torch.Tensor:
         """Rotated queries of input tokens `start:end`, `(batch, heads, tokens, head_dim)`; `grouped`: summed
         over each KV head's query heads, `(batch, kv_heads, tokens, head_dim)`."""
+        if self.projected is not None and start == 0 and end is None:  # every token: nothing to cut (a step)
+            return shape_queries(self.module, self.projected, self.position_embeddings, grouped, self.rope)
         cos, sin = self.position_embeddings
         sl = slice(start, end)
         if self.projected is not None:

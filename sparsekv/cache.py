@@ -14,7 +14,8 @@ The order of events of one model forward, in one place (the hooks call these met
    gathers the planned working set), then the mask for the layer's physical layout.
 3. `after_queries`, once the layer projected its queries (forwards after the prompt, presses that read them):
    the press's `on_queries` (SentenceKV loads sentences); the layout the mask was built for may not change.
-4. transformers calls `update` (new tokens appended), and attention runs.
+4. transformers calls `update` (new tokens appended; the one token of a step after an eviction takes the
+   victim's slot), and attention runs.
 5. `after_layer`, after its attention: the press's `compress` (the prompt) or `after_step` (later forwards).
 6. `end_forward`, after the model, with its logits: the press's `end_forward` (CHESS's uncertainty trigger);
    the `Forward` is closed.
@@ -34,7 +35,7 @@ from typing import Any, Callable, Hashable
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from .attention import AttentionCall
+from .attention import AttentionCall, rope_matrix
 from .layers import GROW, KVLayer, StoreLayer, allocated, append_in_place, buffer_of  # noqa: F401 (re-exported)
 from .state import RowState, row_index
 
@@ -53,8 +54,9 @@ class Forward:
         input_valid: `(batch, q)` which input tokens are real; None when all are (the common, fast case).
         q_len: tokens in this forward.
         calls: per layer index, the attention call under way (from `before_layer` to `after_layer`).
-        plan: a press's plan for every layer of this forward, made once in its `begin_forward` (e.g. CHESS's
-            working-context slots, SentenceKV's sentence-closing flags); None when it has none.
+        plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g. CHESS's
+            working-context slots, SentenceKV's sentence-closing flags) or by the first layer that needs it
+            (StreamingLLM's victim slots); None when it has none.
     """
 
     input_ids: torch.Tensor | None
@@ -62,6 +64,15 @@ class Forward:
     q_len: int
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
+    rope: tuple | None = None  # `(cos, head_dim, matrix)`: the step's RoPE matrix, made once for its layers
+
+    def rope_matrix(self, position_embeddings, head_dim: int) -> torch.Tensor | None:
+        """`attention.rope_matrix` of this forward's one token, made by its first layer, shared by the others
+        (they get the same `(cos, sin)`; a layer given other ones gets its own)."""
+        cos = position_embeddings[0]
+        if self.rope is None or self.rope[0] is not cos or self.rope[1] != head_dim:
+            self.rope = (cos, head_dim, rope_matrix(position_embeddings, head_dim))
+        return self.rope[2]
 
 @dataclass
 class CacheStats:
@@ -172,6 +183,8 @@ class SparseCache(RowState, Cache):
         call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings, None,
                                                                forward.input_valid)
         call.capture = self.press.reads_step_queries and layer.logical_len > 0  # after the prompt
+        if call.capture and forward.q_len == 1:
+            call.rope = forward.rope_matrix(position_embeddings, module.head_dim)
         if self.press.selects_before_attention:
             self.press.before_attention(self, layer, call)
         if not layer.compressed:
@@ -179,6 +192,11 @@ class SparseCache(RowState, Cache):
         impl = module.config._attn_implementation
         if forward.input_valid is None and layer.all_valid and (forward.q_len == 1 or impl.startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
+        if layer.pending is not None:
+            if forward.q_len == 1 and forward.input_valid is None:  # the token will take the victim's slot
+                held = layer.held_valid()  # so the slots keep their validity: the last (real) one stands for it
+                return physical_mask(held[:, :-1], held[:, -1:], impl, hidden.dtype)
+            layer.settle()  # the tokens will be appended
         new_valid = forward.input_valid
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
@@ -191,9 +209,9 @@ class SparseCache(RowState, Cache):
             return  # projection (run from `on_queries` itself)
         call.projected = projected
         layer = self.layers[layer_idx]
-        slots, valid = layer.slots, layer.valid
+        slots, valid = layer.slots, layer.held_valid()  # as held: reading `valid` would settle an eviction
         self.press.on_queries(self, layer, call)
-        if layer.slots != slots or layer.valid is not valid:  # the mask was built for this layout
+        if layer.slots != slots or layer.held_valid() is not valid:  # the mask was built for this layout
             raise RuntimeError(f"{type(self.press).__name__}.on_queries changed layer {layer_idx}'s slots or their "
                                "validity after its mask was built; rewrite what slots hold, not how many there are.")
 

@@ -24,6 +24,24 @@ from .state import RowState
 GROW = 32
 
 
+class _Settled:
+    """A layer's per-slot tensor (or dict of them), read in its settled layout: an eviction still pending
+    (`KVLayer.evict`) is carried out before anyone sees the tensor."""
+
+    def __set_name__(self, owner, name):
+        self.private = "_" + name
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        if layer.pending is not None:
+            layer.settle()
+        return layer.__dict__[self.private]
+
+    def __set__(self, layer, value):
+        layer.__dict__[self.private] = value
+
+
 class KVLayer(RowState, CacheLayerMixin):
     """One attention layer's resident KV.
 
@@ -40,13 +58,20 @@ class KVLayer(RowState, CacheLayerMixin):
 
     The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
     them with new tensors (`select`) or write into them in place, never keep views of them across steps.
+
+    An eviction during decoding is left pending (`pending`, `(batch, heads)` victim slots) until the next token,
+    which is written straight into its victim's slot (`update`): one write per tensor instead of moving the last
+    slot into the victim's and appending. Reading any per-slot tensor settles a pending eviction first, so no
+    reader ever sees the victim.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True  # the tokens of the last forward can be removed (`crop`)
+    keys, values, positions, valid, extra = _Settled(), _Settled(), _Settled(), _Settled(), _Settled()
 
     def __init__(self, state: Any = None):
+        self.pending: torch.Tensor | None = None  # first: the tensors' reads check it
         super().__init__()
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -72,16 +97,33 @@ class KVLayer(RowState, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
+        if self.pending is not None and q == 1 and valid is None and not key_states.requires_grad:
+            return self._replace_victim(key_states, value_states)
+        if self.pending is not None:
+            self.settle()
         new_pos = torch.arange(self.logical_len, self.logical_len + q, device=self.device)
         valid = self._new_valid(valid, b, q)
-        self._append("keys", key_states)
-        self._append("values", value_states)
-        self._append("positions", new_pos.expand(b, h, q))
-        self._append("valid", valid)
-        for name in self.extra:
-            self._append(name, self.extra[name].new_zeros(b, h, q), self.extra)
+        self._append("_keys", key_states)
+        self._append("_values", value_states)
+        self._append("_positions", new_pos.expand(b, h, q))
+        self._append("_valid", valid)
+        extra = self._extra
+        for name in extra:
+            self._append(name, extra[name].new_zeros(b, h, q), extra)
         self.logical_len += q
-        return self.keys, self.values
+        return self._keys, self._values
+
+    def _replace_victim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoding step after an eviction: its token (real in every row) takes the victim's slot."""
+        victim, self.pending = self.pending[..., None], None
+        d = self._keys.shape[-1]
+        self._keys.scatter_(2, victim[..., None].expand(*victim.shape, d), key_states)
+        self._values.scatter_(2, victim[..., None].expand(*victim.shape, value_states.shape[-1]), value_states)
+        self._positions.scatter_(-1, victim, self.logical_len)
+        for t in self._extra.values():
+            t.scatter_(-1, victim, 0)
+        self.logical_len += 1
+        return self._keys, self._values
 
     def _new_valid(self, valid: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
         if valid is None:
@@ -138,20 +180,25 @@ class KVLayer(RowState, CacheLayerMixin):
         self.compressed = True
 
     def evict(self, victim: torch.Tensor) -> None:
-        """Drop one slot per row and head (`victim` `(batch, heads)`): the last slot moves into its place.
-
-        Victims must be real tokens and the last slot a real (newly generated) token, so validity is unchanged.
-        """
-        last = self.keys.shape[-2] - 1
-        v = victim[..., None]
-        for name in ("keys", "values"):
-            t = getattr(self, name)
-            t.scatter_(2, v[..., None].expand(*v.shape, t.shape[-1]), t[:, :, last:])
-            setattr(self, name, t[:, :, :last])
-        self.positions = self.positions.scatter_(-1, v, self.positions[..., last:])[..., :last]
-        self.extra = {n: t.scatter_(-1, v, t[..., last:])[..., :last] for n, t in self.extra.items()}
-        self.valid = self.valid[:, :last]
+        """Drop one slot per row and head (`victim` `(batch, heads)`, real tokens). The drop is pending: the next
+        token takes the victim's slot, or `settle` moves the last slot there when anything else comes first."""
+        if self.pending is not None:
+            self.settle()
+        self.pending = victim
         self.compressed = True
+
+    def settle(self) -> None:
+        """Carry out a pending eviction: the last slot (a real token: the newest) moves into the victim's slot,
+        so validity, shared by the heads of a row, is unchanged."""
+        v, self.pending = self.pending[..., None], None
+        last = self._keys.shape[-2] - 1
+        for name in ("_keys", "_values"):
+            t = self.__dict__[name]
+            t.scatter_(2, v[..., None].expand(*v.shape, t.shape[-1]), t[:, :, last:])
+            self.__dict__[name] = t[:, :, :last]
+        self._positions = self._positions.scatter_(-1, v, self._positions[..., last:])[..., :last]
+        self._extra = {n: t.scatter_(-1, v, t[..., last:])[..., :last] for n, t in self._extra.items()}
+        self._valid = self._valid[:, :last]
 
     # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -165,9 +212,16 @@ class KVLayer(RowState, CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def held_valid(self) -> torch.Tensor:
+        """`valid` as held, without settling a pending eviction: the victim's slot counts, as real (the next
+        token, real in every row, takes it)."""
+        return self._valid
+
     @property
     def slots(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        """Slots held, a pending eviction's victim not counted (read without settling it)."""
+        keys = self.__dict__.get("_keys")
+        return 0 if keys is None else keys.shape[-2] - (self.pending is not None)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise RuntimeError("sparsekv: reorder a SparseCache as a whole (`cache.reorder_cache`), not layer by layer.")

@@ -187,8 +187,8 @@ class Press:
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:
         """Evict the lowest-`scores` real tokens until each row is back within its budget.
 
-        One new token (decoding) costs an in-place move of one slot; several (a continued prompt, a draft of
-        assisted decoding) a gather, which never evicts the forward's own tokens when they fit the budget, so
+        One new token (decoding) costs no move: the victim's slot is left for the next step's token
+        (`KVLayer.evict`); several (a continued prompt, a draft of assisted decoding) cost a gather, which never evicts the forward's own tokens when they fit the budget, so
         that a rejected draft can be cropped from every head.
         """
         budget = int(cache.budgets.max())

@@ -30,7 +30,8 @@ class RowState:
         """Replace every per-row tensor `t` (batch first, `batch` rows) by `fn(t)`, recursively."""
         for name, value in list(vars(self).items()):
             if name not in self.shared_state:
-                setattr(self, name, _map(value, fn, batch, f"{type(self).__name__}.{name}"))
+                # A leading underscore is storage behind a public attribute (KVLayer's `keys` is `_keys`).
+                setattr(self, name, _map(value, fn, batch, f"{type(self).__name__}.{name.lstrip('_')}"))
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor held (per row or shared), recursively: what memory accounting counts."""

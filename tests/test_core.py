@@ -298,6 +298,62 @@ def test_streaming_llm_rolls_every_row_of_a_padded_batch_past_a_full_turn():
             assert torch.equal(real.sort(-1).values, expected.expand(2, -1)), (i, real)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["h2o", "streaming"])
+def test_a_pending_eviction_decodes_as_one_carried_out_at_once(name, padded, impl, monkeypatch):
+    """The token after an eviction takes its victim's slot (no move, no append): the same tokens and logits at
+    every step as moving the last slot into the victim's at once, on the fast path (no mask) and in a padded
+    batch (masked), and the layer then reads as settled."""
+    model = make_model("qwen2", impl)
+    lengths = (40, 60) if padded else (60, 60)
+    ids = torch.zeros(2, 60, dtype=torch.long)
+    mask = torch.zeros(2, 60, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, 60 - n:], mask[i, 60 - n:] = prompt(n, seed=i)[0], 1
+
+    def run():
+        with PRESSES[name](ratio=0.3)(model):
+            return greedy(model, ids, mask, new=30, output_logits=True, return_dict_in_generate=True)
+
+    writes = []
+    replace_victim = KVLayer._replace_victim
+    monkeypatch.setattr(KVLayer, "_replace_victim", lambda self, *a: writes.append(1) or replace_victim(self, *a))
+    pending = run()
+    assert len(writes) >= 28 * 3  # every step after the first eviction, in every layer
+    evict = KVLayer.evict
+    monkeypatch.setattr(KVLayer, "evict", lambda self, victim: (evict(self, victim), self.settle()))
+    at_once = run()
+    assert torch.equal(pending.sequences, at_once.sequences)
+    torch.testing.assert_close(torch.stack(pending.logits), torch.stack(at_once.logits), rtol=1e-5, atol=1e-5)
+    for layer in compressed_layers(pending.cache):
+        assert layer.pending is not None  # the last step's eviction waits for a next token
+        assert layer.keys.shape[-2] == round(0.3 * max(lengths)) and layer.pending is None  # reading settled it
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
+    """A decoding step rotates its queries with one matrix per row, made once for every layer: the same queries
+    as the model's own rotation, rows at different positions included; partial rotary gets no matrix."""
+    from sparsekv.attention import rope_matrix, shape_queries
+
+    model = make_model(arch)
+    module = model.model.layers[0].self_attn
+    positions = torch.tensor([[5], [77]])
+    hidden = torch.randn(2, 1, model.config.hidden_size)
+    cos_sin = model.model.rotary_emb(hidden, positions)
+    projected = module.q_proj(hidden)
+    matrix = rope_matrix(cos_sin, module.head_dim)
+    assert matrix.shape == (2, 1, module.head_dim, module.head_dim)
+    for grouped in (False, True):
+        torch.testing.assert_close(shape_queries(module, projected, cos_sin, grouped, matrix),
+                                   shape_queries(module, projected, cos_sin, grouped), rtol=1e-5, atol=1e-5)
+    phi3 = make_model("phi3")
+    half = phi3.model.rotary_emb(hidden, positions)
+    assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None
+    assert rope_matrix(model.model.rotary_emb(hidden.expand(2, 3, -1), torch.arange(3)[None]), module.head_dim) is None
+
+
 def test_h2o_eager_weights_and_sdpa_recompute_agree():
     kept = {}
     for impl in ("eager", "sdpa"):

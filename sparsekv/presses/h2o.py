@@ -53,7 +53,7 @@ class H2OPress(Press):
         layers = cache.compressed_layers()
         if cache.budgets is not None and layers:
             start = self.recent_start(cache, layers[0].logical_len + forward.q_len)
-            forward.plan = start.to(layers[0].positions.device)
+            forward.plan = start.to(layers[0].device)
 
     def heavy_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Normalised received attention; the row's most recent tokens score +inf (always kept)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import AttentionCall
-from ..cache import Forward, KVLayer, SparseCache
+from ..cache import KVLayer, SparseCache
 from ..press import Press, check_number
 
 
@@ -18,7 +18,7 @@ class StreamingLLMPress(Press):
     The prompt is cut to sinks + its most recent tokens, and during decoding the oldest non-sink token is
     evicted as each new one arrives, so the cache never holds more than the budget after a step
     (the paper's rolling KV cache, sec. 3.2). Scores depend on position only, so every layer and head holds the
-    same positions: a decoding step finds its victim slot once, for all layers (`begin_forward`).
+    same positions: a decoding step finds its victim slot once, for all layers.
 
     Args:
         ratio: fraction of each prompt's KV kept (sinks included), in (0, 1].
@@ -46,19 +46,17 @@ class StreamingLLMPress(Press):
             scores = self.recency(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
             layer.keep(scores, budgets)
 
-    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        """A decoding step on a full rolling cache: the victim slot `(batch, heads)` of every layer, found once."""
-        layers = cache.compressed_layers()
-        first = layers[0] if layers else None
-        if (forward.q_len == 1 and first is not None and first.compressed
-                and first.slots == int(cache.budgets.max())):
-            scores = self.recency(cache, first)
-            if not first.all_valid:
-                scores = scores.masked_fill(~first.valid[:, None, :], float("inf"))
-            forward.plan = scores.argmin(dim=-1)
-
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if cache.forward.plan is not None:  # the new token is appended: the planned slot is its place
-            layer.evict(cache.forward.plan.to(layer.keys.device))
-        elif layer.compressed:
+        if not layer.compressed:
+            return
+        if call.q_len == 1 and layer.slots == int(cache.budgets.max()) + 1:
+            # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
+            # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
+            if cache.forward.plan is None:
+                scores = self.recency(cache, layer)
+                if not layer.all_valid:
+                    scores = scores.masked_fill(~layer.valid[:, None, :], float("inf"))
+                cache.forward.plan = scores.argmin(dim=-1)
+            layer.evict(cache.forward.plan.to(layer.device))
+        else:
             self.hold_budget(cache, layer, self.recency(cache, layer))
