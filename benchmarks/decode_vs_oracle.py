@@ -27,6 +27,7 @@ from sparsekv.bench import plot_throughput
 from sparsekv.evaluation.presses import make_press
 from sparsekv.models import load_model
 from sparsekv.niah import build_needle_prompt
+from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
 
 
@@ -113,7 +114,7 @@ def main():
     ids = source[:, -args.length:]
     rows = []
     for batch in batches:
-        rows += measure(model, tokenizer, ids.expand(batch, -1), args.presses.split(","), args.ratio, args.steps,
+        rows += measure(model, tokenizer, ids.expand(batch, -1), split_specs(args.presses), args.ratio, args.steps,
                         args.repeats)
     print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}, {args.repeats} x {args.steps} steps "
           f"paired with the oracle's; tok/s over the batch")
