@@ -5,9 +5,9 @@ runs, more than a press's own per-step work. Here each press prefills the prompt
 `--steps` greedy steps from a copy of that cache, each step followed by one of the oracle (the full cache on the
 prompt's last `ratio * length` tokens, from a copy of its own), so that the two share the machine's load of
 the moment; the full cache decodes as many after them. The table gives the median step of each configuration
-and a press's ratio to the oracle: the median over its (press step / oracle step) pairs, with their quartiles. `--batch 1,4` decodes 1, then 4
-copies of the prompt at once (every row its own budget and state; a step reads the KV of every row), and
-`--plot` draws tokens/s against batch size.
+and a press's ratio to the oracle: the median over its (press step / oracle step) pairs, with their quartiles.
+`--batch 1,4` decodes 1, then 4 copies of the prompt at once (every row its own budget and state; a step reads
+the KV of every row), and `--plot` draws tokens/s against batch size.
 
     PYTHONPATH=. python benchmarks/decode_vs_oracle.py --presses chunkkv,chunkkv:reuse_layers=1,snapkv
     PYTHONPATH=. python benchmarks/decode_vs_oracle.py --length 4096 --batch 1,4 --presses snapkv,h2o --plot batch.png

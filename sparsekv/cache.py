@@ -192,10 +192,10 @@ class SparseCache(RowState, Cache):
         impl = module.config._attn_implementation
         if forward.input_valid is None and layer.all_valid and (forward.q_len == 1 or impl.startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
+        if layer.fills_victim(forward.q_len, forward.input_valid, hidden.requires_grad):
+            held = layer.held_valid()  # the slots keep their validity: the last (real) one stands for the token
+            return physical_mask(held[:, :-1], held[:, -1:], impl, hidden.dtype)
         if layer.pending is not None:
-            if forward.q_len == 1 and forward.input_valid is None:  # the token will take the victim's slot
-                held = layer.held_valid()  # so the slots keep their validity: the last (real) one stands for it
-                return physical_mask(held[:, :-1], held[:, -1:], impl, hidden.dtype)
             layer.settle()  # the tokens will be appended
         new_valid = forward.input_valid
         if new_valid is None:

@@ -97,9 +97,9 @@ class KVLayer(RowState, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
-        if self.pending is not None and q == 1 and valid is None and not key_states.requires_grad:
-            return self._replace_victim(key_states, value_states)
         if self.pending is not None:
+            if self.fills_victim(q, valid, key_states.requires_grad):
+                return self._replace_victim(key_states, value_states)
             self.settle()
         new_pos = torch.arange(self.logical_len, self.logical_len + q, device=self.device)
         valid = self._new_valid(valid, b, q)
@@ -113,7 +113,14 @@ class KVLayer(RowState, CacheLayerMixin):
         self.logical_len += q
         return self._keys, self._values
 
-    def _replace_victim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fills_victim(self, q: int, valid: torch.Tensor | None, differentiable: bool) -> bool:
+        """Whether a forward of `q` new tokens (`valid` as in `update`) writes its token into a pending victim's
+        slot: one token, real in every row, and no gradient to keep through an in-place write. The mask built
+        before `update` (`SparseCache.before_layer`) asks the same."""
+        return self.pending is not None and q == 1 and valid is None and not differentiable
+
+    def _replace_victim(self, key_states: torch.Tensor,
+                        value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoding step after an eviction: its token (real in every row) takes the victim's slot."""
         victim, self.pending = self.pending[..., None], None
         d = self._keys.shape[-1]

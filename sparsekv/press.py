@@ -184,20 +184,26 @@ class Press:
         return bool((cache.budgets >= cache.prompt_lengths).all())
 
     @staticmethod
+    def victims(layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
+        """`(batch, heads)` the slot of each row and head with the lowest `scores`; filler slots are never victims."""
+        if not layer.all_valid:
+            scores = scores.masked_fill(~layer.valid[:, None, :], float("inf"))
+        return scores.argmin(dim=-1)
+
+    @staticmethod
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:
         """Evict the lowest-`scores` real tokens until each row is back within its budget.
 
         One new token (decoding) costs no move: the victim's slot is left for the next step's token
-        (`KVLayer.evict`); several (a continued prompt, a draft of assisted decoding) cost a gather, which never evicts the forward's own tokens when they fit the budget, so
-        that a rejected draft can be cropped from every head.
+        (`KVLayer.evict`); several (a continued prompt, a draft of assisted decoding) cost a gather, which never
+        evicts the forward's own tokens when they fit the budget, so that a rejected draft can be cropped from
+        every head.
         """
         budget = int(cache.budgets.max())
         if layer.slots <= budget:
             return
         if layer.slots == budget + 1:
-            if not layer.all_valid:  # filler slots are never victims
-                scores = scores.masked_fill(~layer.valid[:, None, :], float("inf"))
-            layer.evict(scores.argmin(dim=-1))
+            layer.evict(Press.victims(layer, scores))
             return
         q = cache.forward.q_len
         if q <= int(cache.budgets.min()):

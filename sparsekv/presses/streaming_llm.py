@@ -53,10 +53,7 @@ class StreamingLLMPress(Press):
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
             # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
             if cache.forward.plan is None:
-                scores = self.recency(cache, layer)
-                if not layer.all_valid:
-                    scores = scores.masked_fill(~layer.valid[:, None, :], float("inf"))
-                cache.forward.plan = scores.argmin(dim=-1)
+                cache.forward.plan = self.victims(layer, self.recency(cache, layer))
             layer.evict(cache.forward.plan.to(layer.device))
         else:
             self.hold_budget(cache, layer, self.recency(cache, layer))
