@@ -97,14 +97,17 @@ def main(argv=None):
     parser.add_argument("--task", default="niah_single",
                         choices=["niah_single", "niah_multikey", *[t for t in TASKS if t.startswith("prose")]],
                         help="multikey: also the ranks of the three distractor needles' pages")
-    parser.add_argument("--pooling", choices=["mean", "max"], default="mean", help="CHESSPress(pooling=...)")
+    parser.add_argument("--pooling", choices=["mean", "max"], default="mean", help="CHESSPress(pooling=...) "
+                        "(default: mean, the paper's eq. 2)")
+    parser.add_argument("--page-size", type=int, default=32, help="CHESSPress(page_size=...) (default: 32, the "
+                                                                   "paper's)")
     parser.add_argument("--samples", type=int, default=1, help="samples (seeds) per depth (default: 1)")
     parser.add_argument("--variants", choices=["all", "press"], default="all",
                         help="all: the four ways of building page vectors; press: the defaults only")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     budget = {"ratio": args.ratio} if args.ratio is not None else {"preset": args.preset}
-    budget["pooling"] = args.pooling
+    budget["pooling"], budget["page_size"], size = args.pooling, args.page_size, args.page_size
     variants = VARIANTS if args.variants == "all" else VARIANTS[:1]
     rows = []
     points = [(float(d), seed) for d in args.depths.split(",") for seed in range(args.samples)]
@@ -112,9 +115,9 @@ def main(argv=None):
         sample = TASKS[args.task].make(tokenizer, args.length, seed, depth, None)
         ids = encode(tokenizer, sample).ids
         first, end = value_tokens(tokenizer, ids, sample.answers[0])
-        page, end_page = first // 32, (end - 1) // 32
-        row = {"depth": depth, "seed": seed, "needle page": page, "pages": -(-ids.shape[1] // 32)}
-        distractors = [needle_token(tokenizer, ids, v) // 32 for m in re.findall(VALUES, sample.context)
+        page, end_page = first // size, (end - 1) // size
+        row = {"depth": depth, "seed": seed, "needle page": page, "pages": -(-ids.shape[1] // size)}
+        distractors = [needle_token(tokenizer, ids, v) // size for m in re.findall(VALUES, sample.context)
                        for v in m if v and v != sample.answers[0]]
         for pre_rope, centre in variants:
             press = CHESSPress(**budget, reselect="never", pre_rope=pre_rope, centre=centre)

@@ -22,12 +22,14 @@ from sparsekv.models import load_model
 from sparsekv.table import format_table
 
 
-def rules(ratio: float) -> dict[str, CHESSPress]:
+def rules(ratio: float, page_size: int) -> dict[str, CHESSPress]:
+    """The rules compared, all on pages of `page_size` tokens (the page vectors of one prefill)."""
     return {
-        "mean pooling, ratio split evenly (default)": CHESSPress(ratio=ratio),
-        "max pooling, ratio split evenly": CHESSPress(ratio=ratio, pooling="max"),
-        "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio)),
-        "pages only, page vectors not centred": CHESSPress(ratios=(1.0, 1.0, ratio), centre=False),
+        "mean pooling, ratio split evenly (eq. 2)": CHESSPress(ratio=ratio, page_size=page_size, pooling="mean"),
+        "max pooling, ratio split evenly": CHESSPress(ratio=ratio, page_size=page_size, pooling="max"),
+        "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio), page_size=page_size),
+        "pages only, page vectors not centred": CHESSPress(ratios=(1.0, 1.0, ratio), page_size=page_size,
+                                                           centre=False),
     }
 
 
@@ -35,9 +37,10 @@ def rules(ratio: float) -> dict[str, CHESSPress]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     needle_arguments(parser, ratio=0.1, samples=20)
+    parser.add_argument("--page-size", type=int, default=32, help="tokens per page (default: 32, the paper's)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
-    presses = rules(args.ratio)
+    presses = rules(args.ratio, args.page_size)
     kept = {name: 0 for name in presses}
     pages = {name: [] for name in presses}
     for _, _, ids, (first, end) in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),

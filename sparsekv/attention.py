@@ -52,24 +52,28 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
         q = module.q_norm(q)
     if grouped:
         q = q.reshape(b, n, module.config.num_key_value_heads, -1, d).sum(3)
-    if rope_matrix is not None:
-        return q.transpose(1, 2) @ (rope_matrix if rope_matrix.dtype == q.dtype else rope_matrix.to(q.dtype))
+    if rope_matrix is not None:  # one token: a plain (batched) product, no broadcast copy of the matrix
+        matrix = rope_matrix if rope_matrix.dtype == q.dtype else rope_matrix.to(q.dtype)
+        if matrix.shape[0] == 1:  # one position for every row: (batch * heads, d) @ (d, d)
+            return (q.reshape(-1, d) @ matrix.view(d, d)).view(b, -1, 1, d)
+        return torch.bmm(q.reshape(b, -1, d), matrix.view(b, d, d)).unsqueeze(2)
     return rotate(q.transpose(1, 2), position_embeddings)
 
 
-def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
-    """RoPE of one token per row as a matrix `(batch, 1, d, d)`: `rotate(x, pe) == x @ rope_matrix(pe, d)` for
-    `x` `(batch, heads, 1, d)`. A decoding step makes it once for every layer, which then rotates its query in
-    one op instead of eight. None when it does not apply (several tokens, partial rotary)."""
+def rope_matrix(position_embeddings, head_dim: int, scale: float = 1.0) -> torch.Tensor | None:
+    """RoPE of one token per row as a matrix `(batch, 1, d, d)`, times `scale`: `rotate(x, pe) * scale ==
+    x @ rope_matrix(pe, d, scale)` for `x` `(batch, heads, 1, d)`. A decoding step makes it once for every layer,
+    which then rotates its query in one op instead of eight (and scales it for free: `scale` is attention's
+    scaling). None when it does not apply (several tokens, partial rotary)."""
     cos, sin = position_embeddings
     if cos.shape[1] != 1 or cos.shape[-1] != head_dim:
         return None
     half = torch.arange(head_dim // 2, device=cos.device)
     # rotate_half(x) == x @ turn: its first half is minus x's second half, its second half is x's first half.
     turn = torch.zeros(head_dim, head_dim, dtype=cos.dtype, device=cos.device)
-    turn[half + head_dim // 2, half] = -1
-    turn[half, half + head_dim // 2] = 1
-    return torch.diag_embed(cos) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
+    turn[half + head_dim // 2, half] = -scale
+    turn[half, half + head_dim // 2] = scale
+    return torch.diag_embed(cos * scale) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
 
 
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:
@@ -86,13 +90,15 @@ def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch
 def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention `(batch, kv_heads, group, q, k)` in float32, query heads grouped by their KV head.
 
+    `queries` are already multiplied by the module's scaling (`AttentionCall.queries(scaled=True)`).
     `mask` is boolean, broadcastable to `(batch, 1, 1, q, k)`, True where attention is allowed; None: every
     query sees every key (a decoding step on a cache of real tokens: no mask to build, nothing to check).
     """
     b, h_q, n_q, d = queries.shape
     h_kv = keys.shape[1]
-    q = as_float(queries.reshape(b, h_kv, h_q // h_kv * n_q, d))
-    logits = (q @ as_float(keys).transpose(-1, -2)).view(b, h_kv, h_q // h_kv, n_q, -1).mul_(module.scaling)
+    q = as_float(queries.reshape(b * h_kv, h_q // h_kv * n_q, d))
+    # Batch and heads as one batch dimension: a plain batched product (a view of a cache buffer's keys).
+    logits = (q @ as_float(keys).flatten(0, 1).transpose(1, 2)).view(b, h_kv, h_q // h_kv, n_q, -1)
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
@@ -126,6 +132,7 @@ class AttentionCall:
             that read step queries).
         rope: RoPE of a one-token input as a matrix (`rope_matrix`), made once per forward by the cache for
             every layer's `queries()`; None: rotate as the module does.
+        scaled_rope: the same times the module's attention scaling (`queries(scaled=True)`).
     """
 
     module: torch.nn.Module
@@ -136,21 +143,30 @@ class AttentionCall:
     projected: torch.Tensor | None = None
     capture: bool = False
     rope: torch.Tensor | None = None
+    scaled_rope: torch.Tensor | None = None
 
     @property
     def q_len(self) -> int:
         return self.hidden_states.shape[1]
 
-    def queries(self, start: int = 0, end: int | None = None, grouped: bool = False) -> torch.Tensor:
+    def queries(self, start: int = 0, end: int | None = None, grouped: bool = False,
+                scaled: bool = False) -> torch.Tensor:
         """Rotated queries of input tokens `start:end`, `(batch, heads, tokens, head_dim)`; `grouped`: summed
-        over each KV head's query heads, `(batch, kv_heads, tokens, head_dim)`."""
+        over each KV head's query heads, `(batch, kv_heads, tokens, head_dim)`; `scaled`: multiplied by the
+        module's attention scaling (as attention's logits use them)."""
         if self.projected is not None and start == 0 and end is None:  # every token: nothing to cut (a step)
-            return shape_queries(self.module, self.projected, self.position_embeddings, grouped, self.rope)
-        cos, sin = self.position_embeddings
-        sl = slice(start, end)
-        if self.projected is not None:
-            return shape_queries(self.module, self.projected[:, sl], (cos[:, sl], sin[:, sl]), grouped)
-        return project_queries(self.module, self.hidden_states[:, sl], (cos[:, sl], sin[:, sl]), grouped)
+            rope = self.scaled_rope if scaled else self.rope
+            if rope is not None:
+                return shape_queries(self.module, self.projected, self.position_embeddings, grouped, rope)
+            q = shape_queries(self.module, self.projected, self.position_embeddings, grouped)
+        else:
+            cos, sin = self.position_embeddings
+            sl = slice(start, end)
+            if self.projected is not None:
+                q = shape_queries(self.module, self.projected[:, sl], (cos[:, sl], sin[:, sl]), grouped)
+            else:
+                q = project_queries(self.module, self.hidden_states[:, sl], (cos[:, sl], sin[:, sl]), grouped)
+        return q * self.module.scaling if scaled else q
 
     def valid(self) -> torch.Tensor:
         """`(batch, q)` validity of the input tokens."""
@@ -175,7 +191,7 @@ class AttentionCall:
         `mask` `(batch, q, k)` says which keys each query may see; padding queries get zero rows. None: every
         query sees every key.
         """
-        queries = self.queries(start, end)
+        queries = self.queries(start, end, scaled=True)
         if mask is None and self.input_valid is None:
             return attention_probs(self.module, queries, keys, None)
         valid = self.valid()[:, start:end, None]  # (batch, q, 1): broadcast over the keys

@@ -57,22 +57,30 @@ class Forward:
         plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g. CHESS's
             working-context slots, SentenceKV's sentence-closing flags) or by the first layer that needs it
             (StreamingLLM's victim slots); None when it has none.
+        continues_prompt: several new tokens after the first forward that are not a draft being verified: a
+            prompt continued (generate on a cache that holds part of its input, a question asked of a
+            compressed context, a caller's own multi-token forward).
     """
 
     input_ids: torch.Tensor | None
     input_valid: torch.Tensor | None
     q_len: int
+    continues_prompt: bool = False
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
-    rope: tuple | None = None  # `(cos, head_dim, matrix)`: the step's RoPE matrix, made once for its layers
+    rope: tuple | None = None  # `(cos, head_dim, scaling, matrices)`: the step's RoPE, made once for its layers
 
-    def rope_matrix(self, position_embeddings, head_dim: int) -> torch.Tensor | None:
-        """`attention.rope_matrix` of this forward's one token, made by its first layer, shared by the others
-        (they get the same `(cos, sin)`; a layer given other ones gets its own)."""
+    def rope_matrices(self, position_embeddings, head_dim: int, scaling: float) -> tuple:
+        """`attention.rope_matrix` of this forward's one token, plain and times `scaling`, made by its first
+        layer and shared by the others (they get the same `(cos, sin)`; a layer given other ones, or another
+        head size or scaling, gets its own)."""
         cos = position_embeddings[0]
-        if self.rope is None or self.rope[0] is not cos or self.rope[1] != head_dim:
-            self.rope = (cos, head_dim, rope_matrix(position_embeddings, head_dim))
-        return self.rope[2]
+        if self.rope is None or self.rope[0] is not cos or self.rope[1:3] != (head_dim, scaling):
+            plain = rope_matrix(position_embeddings, head_dim)
+            scaled = None if plain is None else rope_matrix(position_embeddings, head_dim, scaling)
+            self.rope = (cos, head_dim, scaling, (plain, scaled))
+        return self.rope[3]
+
 
 @dataclass
 class CacheStats:
@@ -157,14 +165,15 @@ class SparseCache(RowState, Cache):
 
     # --- the driver: one forward's events, in order ----------------------------------------------------------
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_len: int,
-                      batch: int) -> None:
-        """Open a forward of `q_len` tokens per row; the 2D `attention_mask` tells which are real."""
+                      batch: int, draft: bool = False) -> None:
+        """Open a forward of `q_len` tokens per row; the 2D `attention_mask` tells which are real; `draft`: the
+        tokens are a draft being verified (assisted decoding, prompt lookup), not a continued prompt."""
         valid = None  # None: every new token is real (the common case, and the fast path)
         if attention_mask is not None and attention_mask.ndim == 2:
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
-        self.forward = Forward(input_ids, valid, q_len)
         first = self.prompt_lengths is None
+        self.forward = Forward(input_ids, valid, q_len, continues_prompt=not first and q_len > 1 and not draft)
         if first:
             real = valid if valid is not None else torch.ones(batch, q_len, dtype=torch.bool)
             self.prompt_lengths = real.sum(-1).cpu()
@@ -184,7 +193,7 @@ class SparseCache(RowState, Cache):
                                                                forward.input_valid)
         call.capture = self.press.reads_step_queries and layer.logical_len > 0  # after the prompt
         if call.capture and forward.q_len == 1:
-            call.rope = forward.rope_matrix(position_embeddings, module.head_dim)
+            call.rope, call.scaled_rope = forward.rope_matrices(position_embeddings, module.head_dim, module.scaling)
         if self.press.selects_before_attention:
             self.press.before_attention(self, layer, call)
         if not layer.compressed:

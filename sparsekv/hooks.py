@@ -113,7 +113,8 @@ def _before_model(inst: Installation, module, args, kwargs):
     if draft:
         kwargs = _prefill_before_draft(inst, module, kwargs, draft)
         inputs, shape = kwargs.get("input_ids"), (shape[0], draft)
-    cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0])
+    verifies = bool(draft) or _verifies_draft(kwargs, cache, shape[1])
+    cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0], draft=verifies)
     inst.running.cache = cache
     return args, kwargs
 
@@ -125,6 +126,13 @@ def _draft_length(kwargs, cache: SparseCache, q: int) -> int:
     if cache.prompt_lengths is not None or not isinstance(keep, int) or not 1 < keep < q:
         return 0
     return keep - 1
+
+
+def _verifies_draft(kwargs, cache: SparseCache, q: int) -> bool:
+    """A forward after the first that verifies a draft: generate's assisted decoding and prompt lookup ask for the
+    logits of every one of its tokens (`logits_to_keep` = its length); a continued prompt asks for the last."""
+    keep = kwargs.get("logits_to_keep")
+    return cache.prompt_lengths is not None and q > 1 and isinstance(keep, int) and keep == q
 
 
 # Inputs of a forward with one entry per new token, on their last dimension (input_ids, position_ids) or the one

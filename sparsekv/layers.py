@@ -330,6 +330,15 @@ class StoreLayer(KVLayer):
         self.positions = self.store_positions[:, None, :end].expand(b, h, end)
         return self.keys, self.values
 
+    def read_store(self, valid: torch.Tensor) -> None:
+        """Drop the working set: attention reads the store itself again, every token seen (`valid` `(batch,
+        seen)`: which are real), as before the first `gather`, until the next one. Views, no copy."""
+        b, h = self.store_keys.shape[:2]
+        end = self.logical_len
+        self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
+        self.positions = self.store_positions[:, None, :end].expand(b, h, end)
+        self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False
+
     def _record(self, keys, values, start):
         """Write tokens `start:` at their slots; grow the store by an eighth when full (the prompt and 256 more
         at first): a few copies over a long generation, little unused room."""

@@ -107,7 +107,7 @@ def test_the_selection_follows_the_anchor():
 
 def test_mean_pooled_scores_are_eq_4_on_eq_2_vectors():
     """A chunk's (grid's) score is the dot product of the anchor with the mean vector of its candidate children."""
-    press = CHESSPress(ratio=0.3, page_size=4, chunk_pages=3, grid_chunks=2, sink_pages=1, window_pages=2)
+    press = CHESSPress(ratio=0.3, page_size=4, chunk_pages=3, grid_chunks=2, sink_pages=1, window_pages=2, pooling="mean")
     lengths = torch.tensor([4 * 30 - 1])
     sums = torch.randn(1, 30, 8, generator=torch.Generator().manual_seed(2))
     vectors, anchor, candidate = press.page_vectors(sums, lengths)
@@ -233,6 +233,51 @@ def test_reselect_every_n_steps_and_always():
         assert cache.counts["selections"] == expected, press
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_continued_prompt_is_read_densely_and_selected_for_as_one_prompt(padded):
+    """A forward of several tokens after the prompt (a question asked of a context compressed before it) is a
+    prompt: it attends to every stored token, as a full cache holding the same KV does, and re-selects even with
+    reselect="never", with its tokens in the anchor's window. A context then its question leave CHESS where the
+    two as one prompt do (the same logits and pages); after decoding steps (a gathered working context) the
+    question still reads every token; one-token steps do not re-select."""
+    from transformers import DynamicCache
+
+    model = make_model("llama", "sdpa")
+    press = chess(ratio=0.2, reselect="never")
+    context, question = prompt(20 * B + 3, batch=2, seed=0), prompt(13, batch=2, seed=1)
+    n, token = context.shape[1], torch.tensor([[7], [9]])
+    mask = torch.ones(2, n + 1 + question.shape[1], dtype=torch.long)
+    if padded:
+        mask[1, :7] = 0
+    whole = torch.cat([context, question], dim=1)
+    without_step = torch.cat([mask[:, :n], mask[:, n + 1:]], dim=1)
+    full = model(whole, attention_mask=without_step).logits[:, -1]
+    with press(model):
+        at_once = model(whole, attention_mask=without_step).cache
+        cache = model(context, attention_mask=mask[:, :n]).cache
+        continued = model(question, cache=cache, attention_mask=without_step).logits[:, -1]
+        torch.testing.assert_close(continued, full, rtol=1e-4, atol=1e-4)
+        assert torch.equal(cache.state.selected, at_once.state.selected)
+        assert cache.counts["selections"] == 4  # the context's and the question's, one per row
+
+        cache = model(context, attention_mask=mask[:, :n]).cache
+        model(token, cache=cache, attention_mask=mask[:, :n + 1])
+        assert cache.counts["selections"] == 2 and all(layer.compressed for layer in chess_layers(cache))
+        assert max(cache.stats().attended_tokens) < n  # the step read the working context
+    stored = DynamicCache(config=model.config)
+    for i, layer in enumerate(chess_layers(cache)):
+        stored.update(layer.store_keys[:, :, :n + 1].clone(), layer.store_values[:, :, :n + 1].clone(), i)
+    reference = model(question, cache=stored, attention_mask=mask).logits
+    with press(model):
+        continued = model(question, cache=cache, attention_mask=mask).logits
+        assert cache.counts["selections"] == 4
+        # A draft being verified (generate asks for the logits of all its tokens) is decoding, not a prompt.
+        draft = torch.cat([mask, torch.ones(2, 4, dtype=torch.long)], dim=1)
+        model(question[:, :4], cache=cache, attention_mask=draft, logits_to_keep=4)
+        assert cache.counts["selections"] == 4 and all(layer.compressed for layer in chess_layers(cache))
+    torch.testing.assert_close(continued, reference, rtol=1e-4, atol=1e-4)
+
+
 def test_batch_rows_select_independently_with_padding():
     model = make_model("qwen3", "sdpa")
     rows = [prompt(60, seed=3)[0], prompt(100, seed=4)[0]]
@@ -266,6 +311,19 @@ def test_presets_are_table_1():
     assert "preset='moderate'" in repr(CHESSPress(preset="moderate"))
 
 
+def test_the_papers_letter_is_one_option_away():
+    """sparsekv's defaults are 16-token pages, max pooling and centred scores; `paper=True` gives the paper's
+    32-token pages, eq. 2's mean and eq. 4 uncentred; an option given explicitly wins either way."""
+    from sparsekv.presses.registry import make_press
+
+    ours, papers = CHESSPress(ratio=0.1), CHESSPress(ratio=0.1, paper=True)
+    assert (ours.page_size, ours.pooling, ours.centre) == (16, "max", True)
+    assert (papers.page_size, papers.pooling, papers.centre) == (32, "mean", False)
+    assert CHESSPress(ratio=0.1, paper=True, centre=True).centre is True
+    assert CHESSPress(ratio=0.1, pooling="mean").page_size == 16
+    assert make_press("chess:paper=true,ratio=0.1") == papers
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "exactly one of preset"),
     ({"preset": "aggressive", "ratio": 0.1}, "exactly one of preset"),
@@ -278,6 +336,7 @@ def test_presets_are_table_1():
     ({"preset": "moderate", "window_pages": 0}, "window_pages must be an integer >= 1"),
     ({"preset": "moderate", "reselect": "sometimes"}, "reselect must be one of"),
     ({"preset": "moderate", "pooling": "median"}, "pooling must be one of mean, max"),
+    ({"preset": "moderate", "paper": "yes"}, "paper must be True or False"),
     ({"preset": "moderate", "reselect_every": 0}, "reselect_every must be an integer >= 1"),
     ({"preset": "moderate", "entropy_threshold": -1}, "entropy_threshold must be a number >= 0"),
 ])

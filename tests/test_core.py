@@ -279,15 +279,21 @@ def test_never_over_budget_across_long_decode(name):
     assert cache.get_seq_length() == 130
 
 
+def left_padded(lengths: tuple[int, ...], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of `lengths` tokens (seeds 0, 1, ...) left-padded to `width`, and their attention mask."""
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:], mask[i, width - n:] = prompt(n, seed=i)[0], 1
+    return ids, mask
+
+
 def test_streaming_llm_rolls_every_row_of_a_padded_batch_past_a_full_turn():
     """The victim of a step is planned once for every layer: after more steps than a row's window holds, each
     layer and head of each row holds exactly its sinks and its most recent tokens (rows of different budgets)."""
     model = make_model("llama", "sdpa")
     lengths, sinks, steps = (30, 50), 4, 40
-    ids = torch.zeros(2, 50, dtype=torch.long)
-    mask = torch.zeros(2, 50, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, 50 - n:], mask[i, 50 - n:] = prompt(n, seed=i)[0], 1
+    ids, mask = left_padded(lengths, 50)
     with StreamingLLMPress(ratio=0.4, n_sinks=sinks)(model):
         out = greedy(model, ids, mask, new=steps + 1, return_dict_in_generate=True)
     for i, n in enumerate(lengths):
@@ -306,11 +312,7 @@ def test_a_pending_eviction_decodes_as_one_carried_out_at_once(name, padded, imp
     every step as moving the last slot into the victim's at once, on the fast path (no mask) and in a padded
     batch (masked), and the layer then reads as settled."""
     model = make_model("qwen2", impl)
-    lengths = (40, 60) if padded else (60, 60)
-    ids = torch.zeros(2, 60, dtype=torch.long)
-    mask = torch.zeros(2, 60, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, 60 - n:], mask[i, 60 - n:] = prompt(n, seed=i)[0], 1
+    ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
 
     def run():
         with PRESSES[name](ratio=0.3)(model):
@@ -328,7 +330,7 @@ def test_a_pending_eviction_decodes_as_one_carried_out_at_once(name, padded, imp
     torch.testing.assert_close(torch.stack(pending.logits), torch.stack(at_once.logits), rtol=1e-5, atol=1e-5)
     for layer in compressed_layers(pending.cache):
         assert layer.pending is not None  # the last step's eviction waits for a next token
-        assert layer.keys.shape[-2] == round(0.3 * max(lengths)) and layer.pending is None  # reading settled it
+        assert layer.keys.shape[-2] == round(0.3 * 60) and layer.pending is None  # reading settled it
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -348,6 +350,14 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     for grouped in (False, True):
         torch.testing.assert_close(shape_queries(module, projected, cos_sin, grouped, matrix),
                                    shape_queries(module, projected, cos_sin, grouped), rtol=1e-5, atol=1e-5)
+    # Scaled by attention's scaling, as attention's logits use the queries.
+    torch.testing.assert_close(shape_queries(module, projected, cos_sin, False, rope_matrix(cos_sin, module.head_dim,
+                                                                                              module.scaling)),
+                               shape_queries(module, projected, cos_sin) * module.scaling, rtol=1e-5, atol=1e-5)
+    # One position for every row (position ids of batch 1): one matrix serves the batch.
+    shared = model.model.rotary_emb(hidden, positions[:1])
+    torch.testing.assert_close(shape_queries(module, projected, shared, False, rope_matrix(shared, module.head_dim)),
+                               shape_queries(module, projected, shared), rtol=1e-5, atol=1e-5)
     phi3 = make_model("phi3")
     half = phi3.model.rotary_emb(hidden, positions)
     assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None
@@ -373,6 +383,40 @@ def test_h2o_eager_weights_and_sdpa_recompute_agree():
         assert torch.equal(a, b)
     for a, b in zip(kept["eager-scores"], kept["sdpa-scores"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
+    """A decoding step's victims, found for every layer at once from their stacked scores at the last layer, are
+    each layer's own: the same tokens and logits as evicting every layer after its attention, with padding too."""
+    from sparsekv.presses.h2o import H2OPress as Press_
+
+    model = make_model("qwen2")
+    ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
+
+    def run():
+        with H2OPress(ratio=0.3)(model):
+            return greedy(model, ids, mask, new=20, output_logits=True, return_dict_in_generate=True)
+
+    stacked = []
+    evict_together = Press_.evict_together
+    monkeypatch.setattr(Press_, "evict_together", lambda self, plan: stacked.append(len(plan.waiting)) or
+                        evict_together(self, plan))
+    together = run()
+    assert stacked and set(stacked) == {len(compressed_layers(together.cache))}  # every layer waited, each step
+
+    def one_by_one(self, plan):
+        for layer in plan.waiting:
+            scores = self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, plan.start)
+            layer.evict(self.victims(layer, scores))
+        plan.waiting = []
+
+    monkeypatch.setattr(Press_, "evict_together", one_by_one)
+    alone = run()
+    assert torch.equal(together.sequences, alone.sequences)
+    torch.testing.assert_close(torch.stack(together.logits), torch.stack(alone.logits), rtol=0, atol=0)
+    for a, b in zip(compressed_layers(together.cache), compressed_layers(alone.cache)):
+        assert torch.equal(a.positions, b.positions)
 
 
 def test_snapkv_scores_match_full_attention():

@@ -278,6 +278,21 @@ def test_a_finished_run_is_reused_only_with_the_same_settings(tmp_path, model, t
     assert not answered
 
 
+def test_a_run_made_under_other_press_defaults_is_not_reused(tmp_path, model, tokenizer):
+    """A run's identity holds every option its press spec resolved to, defaults included: when a version
+    changes a default (CHESS's pages, say), a stored run of the same spec is not taken for the new one."""
+    cfg = config(tmp_path, presses=["snapkv"])
+    Evaluator(cfg, model, tokenizer).run_all()
+    stored = tmp_path / "results" / "tiny" / "niah_single" / "snapkv_0.5_200_question" / "metrics.json"
+    metrics = json.loads(stored.read_text())
+    assert "window_size=32" in metrics["identity"]["press_options"]
+    metrics["identity"]["press_options"] = metrics["identity"]["press_options"].replace("window_size=32",
+                                                                                        "window_size=16")
+    stored.write_text(json.dumps(metrics))
+    with pytest.raises(ValueError, match="other settings.*press_options"):
+        Evaluator(cfg, model, tokenizer).run_all()
+
+
 def test_a_finished_sweep_is_checked_before_it_is_reused_without_loading(tmp_path, model_dir):
     cfg = config(tmp_path, model=str(model_dir), presses=["snapkv"], samples=2)
     load_and_evaluate(cfg, distributed=False)

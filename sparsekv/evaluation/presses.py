@@ -47,3 +47,11 @@ def make_press(spec: str, ratio: float | None = None, budget: int | None = None,
     if is_full(spec):
         return None
     return registry.make_press(spec, tokenizer=tokenizer, ratio=ratio if budget is None else None, budget=budget)
+
+
+def press_options(spec: str, ratio: float | None = None, budget: int | None = None) -> str | None:
+    """Every option `spec` resolves to in this version, defaults included; None for the full cache. Part of a
+    run's identity: a run stored under other defaults is not taken for one made with these."""
+    if is_full(spec):
+        return None
+    return registry.resolved_options(spec, ratio=ratio if budget is None else None, budget=budget)

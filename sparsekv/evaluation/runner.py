@@ -35,7 +35,7 @@ from ..environment import environment
 from ..models import MODELS, auto_device, require, sha256_file
 from ..prefill import Prefill, generate_from
 from .hub import is_hub_task, load_hub_task
-from .presses import check_press, is_full, make_press
+from .presses import check_press, is_full, make_press, press_options
 from .prompts import Prompt, Sample, encode
 from .results import check_identity, merge, open_shard, read_records, write_json
 from .scoring import score
@@ -160,7 +160,8 @@ def run_identity(config: EvalConfig, run: Run, dtype, attn_implementation: str, 
     haystack = Path(config.haystack) if config.haystack else None
     return {
         "model": model_slug(config.model), "model_source": config.model, "model_sha256": model_sha256(config.model),
-        **asdict(run), "samples": config.samples, "seed": config.seed, "max_new_tokens": config.max_new_tokens,
+        **asdict(run), "press_options": press_options(run.press, run.ratio, run.budget),
+        "samples": config.samples, "seed": config.seed, "max_new_tokens": config.max_new_tokens,
         "haystack_sha256": file_sha256(haystack) if haystack else None,
         "dtype": str(dtype).removeprefix("torch."), "attn_implementation": attn_implementation, "device": device,
     }

@@ -80,7 +80,9 @@ class CHESSPress(Press):
     uncertain (sec. 3.3): entropy above `entropy_threshold` and varentropy above `varentropy_threshold` (the
     upper-right region of Fig. 4). In between, the gathered working context is kept and each new token is
     appended to it; it is re-gathered (cost: its size, never the context's) when the window slides past a
-    completed page.
+    completed page. A prompt continued after the first forward (several new tokens that are not a draft being
+    verified: a question asked of a context compressed before it was known, a second turn) is read as the first
+    one was: it attends to every token (the store), then selects with its own tokens in the anchor's window.
 
     Choices the paper leaves open (sparsekv's): sink and window pages are attended always and are not
     candidates of the selection, so the ratios apply to the other pages; page vectors come from the keys before
@@ -100,12 +102,15 @@ class CHESSPress(Press):
             selected, each in (0, 1].
         ratio: the fraction of candidate pages selected, split evenly over the three levels
             (rho = ratio ** (1 / 3) each; sparsekv's shorthand, to sweep CHESS on the same axis as other presses).
-        page_size: tokens per page (default 32, sec. 5.1).
+        page_size: tokens per page (default 16, sparsekv's; the paper's is 32, sec. 5.1). A page vector then
+            averages half as much unrelated text around what matters, and the sink and window pages attend
+            half as many tokens at the same ratio (docs/results.md, "CHESS with smaller pages").
         chunk_pages: pages per chunk (default 4; the paper gives no value).
         grid_chunks: chunks per grid (default 4; the paper gives no value).
         sink_pages: first pages always attended (default 1).
         window_pages: most recent complete pages always attended, and the anchor (default 2).
-        reselect: "uncertainty" (sec. 3.3, default), "always" (every step), or "never" (after the prompt only).
+        reselect: "uncertainty" (sec. 3.3, default), "always" (every step), or "never" (after prompts only:
+            the first forward and any continued prompt).
         reselect_every: re-select every N decoding steps instead (the fixed schedule of Appendix C).
         entropy_threshold: uncertainty trigger, in nats (default 6.7: see above and `calibrate`).
         varentropy_threshold: uncertainty trigger, in nats^2 (default 12.4: see above and `calibrate`).
@@ -113,21 +118,25 @@ class CHESSPress(Press):
             "Key states" without saying which). After RoPE, a page's mean key carries its position, and the
             dot product of two pages depends on their distance more than on their content.
         centre: subtract the mean candidate page vector from every page vector and the anchor before eq. 4
-            (default True; sparsekv's). Appendix B's argument assumes unrelated keys are near-orthogonal, but
+            (default True, sparsekv's; False with `paper`). Appendix B's argument assumes unrelated keys are near-orthogonal, but
             the keys of real models share a large common component, and the raw dot product ranks pages by
             their projection on it; centring restores the premise. False is eq. 4 as written.
-        pooling: how a chunk or grid is scored from its children: "mean" (default; eq. 2's mean vector, whose
-            eq. 4 score is the mean of its children's scores) or "max" (sparsekv's: its best child's score). In
+        pooling: how a chunk or grid is scored from its children: "max" (default, sparsekv's: its best child's
+            score) or "mean" (eq. 2's mean vector, whose eq. 4 score is the mean of its children's scores). In
             real prose the mean of 4 or 16 pages drowns the one page that matters, and Algorithm 1's upper levels
             discard the grid or chunk of a page that ranks among the best (`benchmarks/chess_affinity.py`).
-            Measured on Qwen2.5-0.5B at 4k tokens and ratio 0.1: 65% of codes found in real prose against 20%
-            with the mean; 90% against 95% of multi-key needles in the filler haystack (docs/results.md).
+        paper: the paper's letter where sparsekv departs from it: 32-token pages, eq. 2's mean pooling and eq. 4
+            uncentred, unless given. Default False: 16-token pages, max pooling, centred. Measured at ratio 0.1
+            with the question at the end, sparsekv's defaults against the paper's pages with mean pooling
+            (centred): Qwen2.5-0.5B at 4k tokens finds 85% of codes in real prose against 20%, and 100% of
+            multi-key needles in the filler haystack against 95%; SmolLM2-135M at 4k tokens 40% against 20% in
+            prose, the same on the filler haystack (docs/results.md, "CHESS's defaults").
     """
 
     preset: str | None = None
     ratios: tuple[float, float, float] | None = None
     budget_options: ClassVar[tuple[str, ...]] = ("preset", "ratios")
-    page_size: int = 32
+    page_size: int | None = None  # 16, or 32 with `paper`
     chunk_pages: int = 4
     grid_chunks: int = 4
     sink_pages: int = 1
@@ -137,12 +146,18 @@ class CHESSPress(Press):
     entropy_threshold: float = 6.7
     varentropy_threshold: float = 12.4
     pre_rope: bool = True
-    centre: bool = True
-    pooling: str = "mean"
+    centre: bool | None = None  # True, or False with `paper`
+    pooling: str | None = None  # "max", or "mean" with `paper`
+    paper: bool = False
     selects_before_attention: ClassVar[bool] = True
 
     def __post_init__(self):
         name = type(self).__name__
+        if not isinstance(self.paper, bool):
+            raise ValueError(f"{name}: paper must be True or False; got {self.paper!r}.")
+        for key, ours, papers in (("page_size", 16, 32), ("pooling", "max", "mean"), ("centre", True, False)):
+            if getattr(self, key) is None:
+                setattr(self, key, papers if self.paper else ours)
         given = [k for k in ("preset", "ratios", "ratio") if getattr(self, k) is not None]
         if len(given) != 1 or self.budget is not None:
             raise ValueError(f"{name}: give exactly one of preset ({', '.join(PRESETS)}), ratios=(rho_g, rho_c, "
@@ -273,7 +288,8 @@ class CHESSPress(Press):
         layer = cache.layers[next(iter(state.columns))]
         lengths = layer.logical_len - cache.prompt_start.to(layer.device)  # real tokens per row
         complete = lengths.div(self.page_size, rounding_mode="floor")
-        if state.selected is None:
+        continued = cache.forward is not None and cache.forward.continues_prompt
+        if state.selected is None or continued:  # a prompt, the first or a continued one
             trigger = torch.ones_like(lengths, dtype=torch.bool)
         else:
             state.steps += 1
@@ -369,7 +385,16 @@ class CHESSPress(Press):
         return slots, valid
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        forward.plan, cache.state.plan = cache.state.plan, None  # a new working context for every layer
+        state = cache.state
+        forward.plan, state.plan = state.plan, None  # a new working context for every layer
+        if forward.continues_prompt and state.selected is not None:
+            # A continued prompt is a prompt: read densely, as the first one was (and selected for after it).
+            # Before transformers builds this forward's mask, which then sees every layer's store layout.
+            forward.plan = None
+            layer = cache.layers[next(iter(state.columns))]
+            valid = torch.arange(layer.logical_len, device=layer.device) >= cache.prompt_start.to(layer.device)[:, None]
+            for i in state.columns:
+                cache.layers[i].read_store(valid)
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if cache.forward.plan is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -22,7 +22,8 @@ class H2OPress(Press):
     decoding step, so it never holds more than the budget after a step (paper sec. 4, Algorithm 1).
 
     The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix); decoding
-    uses the step's attention weights (eager) or recomputes the one query's row (sdpa, flash).
+    uses the step's attention weights (eager) or recomputes the one query's row (sdpa, flash), and finds every
+    layer's victim at once, after the last layer.
 
     Args:
         ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1].
@@ -49,19 +50,27 @@ class H2OPress(Press):
         return (length - recent)[:, None, None]
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        """A decoding step: every layer's recent window, found once (all layers see the same tokens)."""
+        """A decoding step: the recent window's start and the budget, found once for every layer (all layers see
+        the same tokens), and the list of layers whose eviction waits for the last one (`after_step`)."""
         layers = cache.compressed_layers()
         if cache.budgets is not None and layers:
-            start = self.recent_start(cache, layers[0].logical_len + forward.q_len)
-            forward.plan = start.to(layers[0].device)
+            start = self.recent_start(cache, layers[0].logical_len + forward.q_len).to(layers[0].device)
+            forward.plan = _Step(start, int(cache.budgets.max()), layers[-1])
 
-    def heavy_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
-        """Normalised received attention; the row's most recent tokens score +inf (always kept)."""
-        scores = layer.extra["received"] / (layer.logical_len - layer.positions)  # every slot was seen: >= 1
-        start = cache.forward.plan
-        if start is None:  # the prompt: no step plan
-            start = self.recent_start(cache, layer.logical_len).to(scores.device)
-        return scores.masked_fill_(layer.positions >= start, float("inf"))
+    @staticmethod
+    def heavy_scores(received: torch.Tensor, positions: torch.Tensor, length: int,
+                     start: torch.Tensor) -> torch.Tensor:
+        """Received attention over the queries that saw each token (`length` tokens seen: every slot was seen at
+        least once); tokens at or after `start` (the recent window) score +inf, always kept. Any leading
+        dimensions: one layer's `(batch, heads, slots)` or every layer's stacked."""
+        scores = received / (length - positions)
+        return scores.masked_fill_(positions >= start, float("inf"))
+
+    def layer_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
+        """One layer's scores: the recent window is the step's (planned), or at the prompt the prompt's."""
+        plan = cache.forward.plan
+        start = plan.start if plan is not None else self.recent_start(cache, layer.logical_len)
+        return self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, start.to(layer.device))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
@@ -70,7 +79,7 @@ class H2OPress(Press):
         # The prompt's received attention does not depend on the budget: replays of one prompt share it.
         received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(layer, call))
         layer.extra["received"] = received.clone()
-        scores = self.heavy_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
+        scores = self.layer_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
         layer.keep(scores, budgets)
 
     def received(self, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
@@ -86,8 +95,18 @@ class H2OPress(Press):
         return received
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if not layer.compressed:
-            return
+        plan = cache.forward.plan
+        if layer.compressed:
+            self.add_received(layer, call)
+            if call.q_len == 1 and layer.slots == plan.budget + 1:
+                plan.waiting.append(layer)  # one victim to find: with the other layers', at the last layer
+            else:
+                self.hold_budget(cache, layer, self.layer_scores(cache, layer))
+        if layer is plan.last and plan.waiting:
+            self.evict_together(plan)
+
+    def add_received(self, layer: KVLayer, call: AttentionCall) -> None:
+        """Add the attention the step's queries gave every slot (summed over each KV head's query heads)."""
         if call.weights is not None:  # eager: (b, heads, q, slots), already masked
             b, h_q, q, n = call.weights.shape
             h_kv = layer.keys.shape[1]
@@ -99,5 +118,37 @@ class H2OPress(Press):
             visible = layer.valid[:, None, :] & (torch.arange(layer.slots, device=new.device) <= new[:, None])
             received = call.probs(layer.keys, visible).sum(dim=(2, 3))
         layer.extra["received"] += received
-        self.hold_budget(cache, layer, self.heavy_scores(cache, layer))
 
+    def evict_together(self, plan: _Step) -> None:
+        """Every waiting layer's victim of this step from their stacked scores: the same few ops once per step
+        instead of once per layer (their sizes are tiny, their count is the cost). Layers on different devices
+        or holding different slot counts are stacked apart. The stacks are copies: each layer keeps its own."""
+        groups: dict[tuple, list[KVLayer]] = {}
+        for layer in plan.waiting:
+            groups.setdefault((layer.device, layer.slots), []).append(layer)
+        for layers in groups.values():
+            positions = torch.stack([layer.positions for layer in layers])
+            scores = self.heavy_scores(torch.stack([layer.extra["received"] for layer in layers]), positions,
+                                       layers[0].logical_len, plan.start.to(positions.device))
+            if not all(layer.all_valid for layer in layers):  # filler slots are never victims
+                valid = torch.stack([layer.valid for layer in layers])
+                scores.masked_fill_(~valid[:, :, None, :], float("inf"))
+            for layer, victim in zip(layers, scores.argmin(dim=-1).unbind()):
+                layer.evict(victim)
+        plan.waiting = []
+
+
+@dataclass
+class _Step:
+    """One decoding step's plan, shared by the layers of its forward.
+
+    Attributes:
+        start: `(batch, 1, 1)` first position of each row's recent window.
+        budget: the largest row budget: a layer holding one slot more evicts one token per row and head.
+        last: the forward's last compressed layer, which evicts for the layers waiting in `waiting`.
+    """
+
+    start: torch.Tensor
+    budget: int
+    last: KVLayer
+    waiting: list[KVLayer] = field(default_factory=list)

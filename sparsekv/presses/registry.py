@@ -134,6 +134,23 @@ def make_press(spec: str, tokenizer: Any = None, **options) -> Press:
     return _build(cls, spec, {**options, **parsed}, tokenizer)
 
 
+def resolved_options(spec: str, **options) -> str:
+    """Every option the press `spec` is built with in this version, its defaults included (the tokenizer apart),
+    as text: `options` as in `make_press`. A press that reads text is not built (it needs the tokenizer), nor one
+    these options cannot build (its run records the error): its declared defaults stand for it, the spec's
+    options over them."""
+    cls, parsed = parse_spec(spec)
+    values = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    values.update({**options, **parsed})
+    if not needs_tokenizer(cls):
+        try:
+            press = _build(cls, spec, {**options, **parsed}, None)
+            values = {f.name: getattr(press, f.name) for f in dataclasses.fields(press)}
+        except ValueError:
+            pass
+    return ", ".join(f"{k}={v!r}" for k, v in values.items() if k != "tokenizer")
+
+
 def _build(cls, spec: str, options: dict, tokenizer) -> Press:
     if any(key in options for key in cls.budget_options):  # e.g. chess:preset=aggressive sets the budget itself
         options = {k: v for k, v in options.items() if k not in ("ratio", "budget") or k in cls.budget_options}
