@@ -60,20 +60,20 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
     return rotate(q.transpose(1, 2), position_embeddings)
 
 
-def rope_matrix(position_embeddings, head_dim: int, scale: float = 1.0) -> torch.Tensor | None:
-    """RoPE of one token per row as a matrix `(batch, 1, d, d)`, times `scale`: `rotate(x, pe) * scale ==
-    x @ rope_matrix(pe, d, scale)` for `x` `(batch, heads, 1, d)`. A decoding step makes it once for every layer,
-    which then rotates its query in one op instead of eight (and scales it for free: `scale` is attention's
-    scaling). None when it does not apply (several tokens, partial rotary)."""
+def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
+    """RoPE of one token per row as a matrix `(batch, 1, d, d)`: `rotate(x, pe) == x @ rope_matrix(pe, d)` for
+    `x` `(batch, heads, 1, d)`. A decoding step makes it once for every layer, which then rotates its query in
+    one op instead of eight (and, with the matrix times attention's scaling, scales it for free). None when it
+    does not apply (several tokens, partial rotary)."""
     cos, sin = position_embeddings
     if cos.shape[1] != 1 or cos.shape[-1] != head_dim:
         return None
     half = torch.arange(head_dim // 2, device=cos.device)
     # rotate_half(x) == x @ turn: its first half is minus x's second half, its second half is x's first half.
     turn = torch.zeros(head_dim, head_dim, dtype=cos.dtype, device=cos.device)
-    turn[half + head_dim // 2, half] = -scale
-    turn[half, half + head_dim // 2] = scale
-    return torch.diag_embed(cos * scale) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
+    turn[half + head_dim // 2, half] = -1
+    turn[half, half + head_dim // 2] = 1
+    return torch.diag_embed(cos) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
 
 
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:

@@ -325,18 +325,21 @@ class StoreLayer(KVLayer):
             return super().update(key_states, value_states, valid=valid)
         # No working set yet: attention reads the store itself (views, no copy).
         self.valid = torch.cat([self.valid, self._new_valid(valid, b, q)], dim=-1)
-        self.logical_len = end = start + q
-        self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
-        self.positions = self.store_positions[:, None, :end].expand(b, h, end)
+        self.logical_len = start + q
+        self._view_store()
         return self.keys, self.values
 
-    def read_store(self, valid: torch.Tensor) -> None:
-        """Drop the working set: attention reads the store itself again, every token seen (`valid` `(batch,
-        seen)`: which are real), as before the first `gather`, until the next one. Views, no copy."""
+    def _view_store(self) -> None:
+        """Attention's tensors as views of the store's first `logical_len` slots (slot = position)."""
         b, h = self.store_keys.shape[:2]
         end = self.logical_len
         self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
         self.positions = self.store_positions[:, None, :end].expand(b, h, end)
+
+    def read_store(self, valid: torch.Tensor) -> None:
+        """Drop the working set: attention reads the store itself again, every token seen (`valid` `(batch,
+        seen)`: which are real), as before the first `gather`, until the next one. Views, no copy."""
+        self._view_store()
         self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False
 
     def _record(self, keys, values, start):

@@ -186,8 +186,14 @@ class Press:
     @staticmethod
     def victims(layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
         """`(batch, heads)` the slot of each row and head with the lowest `scores`; filler slots are never victims."""
-        if not layer.all_valid:
-            scores = scores.masked_fill(~layer.valid[:, None, :], float("inf"))
+        return Press.lowest_real(scores, None if layer.all_valid else layer.valid)
+
+    @staticmethod
+    def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The slot with the lowest `scores` `(..., batch, heads, slots)` per row and head, among the real ones
+        (`valid` `(..., batch, slots)`; None: all are): one layer's, or several layers' stacked."""
+        if valid is not None:
+            scores = scores.masked_fill(~valid[..., None, :], float("inf"))
         return scores.argmin(dim=-1)
 
     @staticmethod

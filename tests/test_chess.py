@@ -107,7 +107,8 @@ def test_the_selection_follows_the_anchor():
 
 def test_mean_pooled_scores_are_eq_4_on_eq_2_vectors():
     """A chunk's (grid's) score is the dot product of the anchor with the mean vector of its candidate children."""
-    press = CHESSPress(ratio=0.3, page_size=4, chunk_pages=3, grid_chunks=2, sink_pages=1, window_pages=2, pooling="mean")
+    press = CHESSPress(ratio=0.3, page_size=4, chunk_pages=3, grid_chunks=2, sink_pages=1, window_pages=2,
+                       pooling="mean")
     lengths = torch.tensor([4 * 30 - 1])
     sums = torch.randn(1, 30, 8, generator=torch.Generator().manual_seed(2))
     vectors, anchor, candidate = press.page_vectors(sums, lengths)

@@ -21,7 +21,7 @@ from sparsekv import (
     SparseCache,
     StreamingLLMPress,
 )
-from sparsekv.cache import GROW, buffer_of
+from sparsekv.cache import GROW, Forward, buffer_of
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
@@ -350,9 +350,10 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     for grouped in (False, True):
         torch.testing.assert_close(shape_queries(module, projected, cos_sin, grouped, matrix),
                                    shape_queries(module, projected, cos_sin, grouped), rtol=1e-5, atol=1e-5)
-    # Scaled by attention's scaling, as attention's logits use the queries.
-    torch.testing.assert_close(shape_queries(module, projected, cos_sin, False, rope_matrix(cos_sin, module.head_dim,
-                                                                                              module.scaling)),
+    # The step's matrices, plain and times attention's scaling (as attention's logits use the queries).
+    plain, scaled = Forward(None, None, 1).rope_matrices(cos_sin, module.head_dim, module.scaling)
+    torch.testing.assert_close(plain, matrix)
+    torch.testing.assert_close(shape_queries(module, projected, cos_sin, False, scaled),
                                shape_queries(module, projected, cos_sin) * module.scaling, rtol=1e-5, atol=1e-5)
     # One position for every row (position ids of batch 1): one matrix serves the batch.
     shared = model.model.rotary_emb(hidden, positions[:1])

@@ -118,9 +118,9 @@ class CHESSPress(Press):
             "Key states" without saying which). After RoPE, a page's mean key carries its position, and the
             dot product of two pages depends on their distance more than on their content.
         centre: subtract the mean candidate page vector from every page vector and the anchor before eq. 4
-            (default True, sparsekv's; False with `paper`). Appendix B's argument assumes unrelated keys are near-orthogonal, but
-            the keys of real models share a large common component, and the raw dot product ranks pages by
-            their projection on it; centring restores the premise. False is eq. 4 as written.
+            (default True, sparsekv's; False with `paper`). Appendix B's argument assumes unrelated keys are
+            near-orthogonal, but the keys of real models share a large common component, and the raw dot product
+            ranks pages by their projection on it; centring restores the premise. False is eq. 4 as written.
         pooling: how a chunk or grid is scored from its children: "max" (default, sparsekv's: its best child's
             score) or "mean" (eq. 2's mean vector, whose eq. 4 score is the mean of its children's scores). In
             real prose the mean of 4 or 16 pages drowns the one page that matters, and Algorithm 1's upper levels

@@ -130,10 +130,8 @@ class H2OPress(Press):
             positions = torch.stack([layer.positions for layer in layers])
             scores = self.heavy_scores(torch.stack([layer.extra["received"] for layer in layers]), positions,
                                        layers[0].logical_len, plan.start.to(positions.device))
-            if not all(layer.all_valid for layer in layers):  # filler slots are never victims
-                valid = torch.stack([layer.valid for layer in layers])
-                scores.masked_fill_(~valid[:, :, None, :], float("inf"))
-            for layer, victim in zip(layers, scores.argmin(dim=-1).unbind()):
+            valid = None if all(layer.all_valid for layer in layers) else torch.stack([layer.valid for layer in layers])
+            for layer, victim in zip(layers, self.lowest_real(scores, valid).unbind()):
                 layer.evict(victim)
         plan.waiting = []
 
