@@ -92,12 +92,14 @@ class Prefill:
         return cache
 
     @torch.no_grad()
-    def generate(self, press=None, generation_config: GenerationConfig | None = None, **kwargs) -> torch.Tensor:
+    def generate(self, press=None, generation_config: GenerationConfig | None = None, *,
+                 cache: SparseCache | None = None, **kwargs) -> torch.Tensor:
         """Greedy continuation of the prompt under `press` (None: the full cache), as `model.generate` gives it.
 
         Returns `(batch, L + new)` ids like `generate`. Installs the press for the decoding steps unless it is
         installed already. Only greedy decoding without logits processors: the first token is the argmax of
-        the recorded logits.
+        the recorded logits. `cache`: this prompt's `compress(press)`, when the caller made it (to read it
+        afterwards: it is decoded in place); made here otherwise.
         """
         config = copy.deepcopy(generation_config or self.model.generation_config)
         config.update(**kwargs)
@@ -118,7 +120,7 @@ class Prefill:
             out = self.model.generate(ids, attention_mask=mask, cache=copy.deepcopy(self.cache),
                                       generation_config=config)
         else:
-            cache = self.compress(press)
+            cache = cache if cache is not None else self.compress(press)
             with nullcontext() if self.model in _active else press(self.model):
                 out = self.model.generate(ids, attention_mask=mask, cache=cache, generation_config=config)
         if bool(done.any()):  # rows whose first token ended them: padding after it, as generate pads
@@ -129,10 +131,12 @@ class Prefill:
 
 
 @torch.no_grad()
-def generate_from(model, press, cache, input_ids: torch.Tensor, generation_config: GenerationConfig) -> torch.Tensor:
+def generate_from(model, press, cache, input_ids: torch.Tensor, generation_config: GenerationConfig,
+                  copy_cache: bool = True) -> torch.Tensor:
     """`model.generate` on `input_ids` `(1, L)` whose first tokens `cache` already holds (a context prefilled
-    under `press`, None: no press), decoding under `press`. `cache` itself is left as it is: a copy is decoded,
-    so several continuations can start from one compressed context."""
+    under `press`, None: no press), decoding under `press`. By default `cache` itself is left as it is: a copy is
+    decoded, so several continuations can start from one compressed context; `copy_cache=False` decodes `cache`
+    itself (one continuation, read afterwards)."""
     with nullcontext() if press is None or model in _active else press(model):
         return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                              cache=copy.deepcopy(cache), generation_config=generation_config)
+                              cache=copy.deepcopy(cache) if copy_cache else cache, generation_config=generation_config)

@@ -223,8 +223,21 @@ def test_sweep_writes_config_predictions_metrics(tmp_path, model, tokenizer):
     assert [p["index"] for p in predictions] == [0, 1, 2]
     assert [p["depth"] for p in predictions] == [0.0, 0.5, 1.0]  # depth swept evenly
     metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["samples"] == 3 and metrics["kv_fraction"] == 0.5 and 0 <= metrics["score"] <= 100
+    assert metrics["samples"] == 3 and 0 <= metrics["score"] <= 100
     assert json.loads((run / "config.json").read_text())["mode"] == "agnostic"
+
+
+def test_a_run_records_what_the_cache_held_and_attended(tmp_path, model, tokenizer):
+    # Measured at the end of each answer, not the nominal ratio: CHESS keeps every token and attends its pages.
+    cfg = config(tmp_path, presses=["snapkv", "chess:page_size=8"], ratios=[0.25], lengths=[400], full=False)
+    held = {m["press"]: m for m in Evaluator(cfg, model, tokenizer).run_all()}
+    snapkv, chess = held["snapkv"], held["chess:page_size=8"]
+    # SnapKV: a quarter of the prompt, plus the few generated tokens, of the tokens seen
+    assert snapkv["kv_fraction"] == snapkv["attended_fraction"] == pytest.approx(0.25, abs=0.02)
+    assert chess["kv_fraction"] == 1.0 and 0.2 < chess["attended_fraction"] < 0.5
+    text = format_report(load_results(tmp_path / "results"))
+    row = next(line.split() for line in text.splitlines() if "chess" in line)
+    assert row[5:7] == ["1.00", f"{chess['attended_fraction']:.2f}"]  # KV kept, attended
 
 
 def test_agnostic_equals_question_mode_without_compression(tmp_path, model, tokenizer):
@@ -376,11 +389,12 @@ def test_report_table_and_plot(tmp_path):
     table = format_report(load_results(tmp_path))
     lines = table.splitlines()
     assert lines[0].startswith("ruler tasks:")
-    assert lines[1].split() == ["model", "length", "mode", "press", "kept", "KV", "kept", "niah_single", "passkey",
-                                "mean", "95%", "CI", "n", "errors"]
-    assert lines[3].split()[:9] == ["m", "1000", "-", "full", "1", "1.00", "100.0", "90.0", "95.0"]
-    assert lines[4].split()[:9] == ["m", "1000", "question", "snapkv", "0.5", "0.50", "50.0", "45.0", "47.5"]
-    assert lines[3].split()[9:] == ["[46,", "100]", "2", "0"] and len(lines) == 3 + 5  # mean 95% of 4 pooled samples
+    assert lines[1].split() == ["model", "length", "mode", "press", "kept", "KV", "kept", "attended", "niah_single",
+                                "passkey", "mean", "95%", "CI", "n", "errors"]
+    assert lines[3].split()[:10] == ["m", "1000", "-", "full", "1", "1.00", "1.00", "100.0", "90.0", "95.0"]
+    # a run recorded before attended_fraction existed: attended is what it kept
+    assert lines[4].split()[:10] == ["m", "1000", "question", "snapkv", "0.5", "0.50", "0.50", "50.0", "45.0", "47.5"]
+    assert lines[3].split()[10:] == ["[46,", "100]", "2", "0"] and len(lines) == 3 + 5  # mean 95% of 4 pooled samples
     path = plot(load_results(tmp_path), tmp_path / "acc.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -392,7 +406,7 @@ def test_report_keeps_task_families_apart(tmp_path):
     assert ruler.startswith("ruler tasks") and "niah_single" in ruler and "prose_code" not in ruler
     assert prose.startswith("prose tasks") and "prose_code" in prose and "niah_single" not in prose
     full = next(line.split() for line in prose.splitlines() if " full " in line)
-    assert full[6:8] == ["50.0", "50.0"]  # the prose mean is prose_code's alone, not averaged with niah_single
+    assert full[7:9] == ["50.0", "50.0"]  # the prose mean is prose_code's alone, not averaged with niah_single
     from sparsekv.evaluation.report import figure
 
     titles = [ax.get_title() for ax in figure(load_results(tmp_path)).axes]

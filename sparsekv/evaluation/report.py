@@ -3,13 +3,14 @@
 Every run (`metrics.json`) becomes one record of a pandas frame (`frame`). Tasks are grouped into families that
 never share a table or a mean: "ruler" (the noise haystack), "prose" (needles in real text), a Hub source
 (`ruler:...`, `longbench:...`), and a family run on a `--haystack FILE` is named with that file. Per family, the
-table is a pivot: one row per model, length, mode, press and amount kept, one column per task (score in %),
-their mean with its 95% Wilson interval over the pooled samples, the samples per task and the samples the press
+table is a pivot: one row per model, length, mode, press and amount kept, what the cache held and attended
+(measured at the end of each answer, as a share of the tokens seen), one column per task (score in %), their
+mean with its 95% Wilson interval over the pooled samples, the samples per task and the samples the press
 could not run (counted wrong). A missing task is shown as missing, and its row has no mean: a mean over the
 tasks a row happens to have would compare rows on different tasks.
 
-The plot shows, per model, length and family, the mean score against the fraction of the KV cache kept with its
-interval: one line per press (dashed for question-agnostic runs), the full cache as a horizontal band.
+The plot shows, per model, length and family, the mean score against the fraction of the KV cache attended
+(what an evicting press keeps; CHESS keeps every token and attends its selection) with its interval: one line per press (dashed for question-agnostic runs), the full cache as a horizontal band.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def family(metrics: dict) -> str:
 
 def frame(results: list[dict]):
     """One row per run: model, length, family, task, mode ("-" for the full cache, which has none), press, kept,
-    kv (fraction of the KV kept), score (%), samples, errors, and the score's 95% Wilson interval (low, high)."""
+    kv (fraction of the tokens seen whose KV the cache held), attended (fraction attended: below kv for a press
+    that selects from what it holds, as CHESS), score (%), samples, errors, and the score's 95% Wilson interval
+    (low, high)."""
     require("pandas", "eval", "to report results")
     import pandas as pd
 
@@ -70,6 +73,7 @@ def frame(results: list[dict]):
             "model": m["model"], "length": m["length"], "family": family(m), "task": m["task"],
             "mode": "-" if m["press"] == "full" else m["mode"], "press": m["press"],
             "kept": f"b{budget}" if budget is not None else f"{m['ratio']:g}", "kv": m["kv_fraction"],
+            "attended": m.get("attended_fraction", m["kv_fraction"]),
             "score": m["score"], "samples": m.get("samples", 0), "errors": m.get("errors", 0),
             "low": low, "high": high,
             # sort keys: the full cache first, question before agnostic, most kept first
@@ -82,7 +86,7 @@ def frame(results: list[dict]):
 
 def tables(results: list[dict]) -> dict:
     """Per family, the pivot of its runs: index (model, length, mode, press, kept), a column per task, then
-    "KV kept", "mean", "low", "high" (the mean's interval), "samples" (per task) and "errors"."""
+    "KV kept", "attended", "mean", "low", "high" (the mean's interval), "samples" (per task) and "errors"."""
     runs = frame(results)
     keys = ["model", "length", "mode", "press", "kept"]
     out = {}
@@ -90,7 +94,8 @@ def tables(results: list[dict]) -> dict:
         scores = group.pivot_table(index=keys, columns="task", values="score", aggfunc="first", dropna=False)
         scores = scores.dropna(how="all")
         tasks = list(scores.columns)
-        summary = group.groupby(keys).agg(kv=("kv", "mean"), n=("samples", "sum"), errors=("errors", "sum"),
+        summary = group.groupby(keys).agg(kv=("kv", "mean"), attended=("attended", "mean"), n=("samples", "sum"),
+                                          errors=("errors", "sum"),
                                           order=("_order", "first"))
         table = scores.join(summary)
         table["mean"] = scores.mean(axis=1, skipna=False)  # missing when a task is missing
@@ -101,7 +106,7 @@ def tables(results: list[dict]) -> dict:
         table["low"], table["high"] = [i[0] for i in intervals], [i[1] for i in intervals]
         table = table.rename(columns={"kv": "KV kept"})
         table = table.iloc[sorted(range(len(table)), key=lambda i: (table.index[i][:2], table["order"].iloc[i]))]
-        out[name] = table[[*tasks, "KV kept", "mean", "low", "high", "samples", "errors"]]
+        out[name] = table[[*tasks, "KV kept", "attended", "mean", "low", "high", "samples", "errors"]]
     return out
 
 
@@ -116,9 +121,10 @@ def _records(table) -> list[dict]:
 
 
 def _columns(table) -> list[tuple[str, str, str]]:
-    tasks = [c for c in table.columns if c not in ("KV kept", "mean", "low", "high", "samples", "errors")]
+    tasks = [c for c in table.columns if c not in ("KV kept", "attended", "mean", "low", "high", "samples", "errors")]
     return ([("model", "model", ""), ("length", "length", "d"), ("mode", "mode", ""), ("press", "press", ""),
-             ("kept", "kept", ""), ("KV kept", "KV kept", ".2f")] + [(t, t, ".1f") for t in tasks]
+             ("kept", "kept", ""), ("KV kept", "KV kept", ".2f"), ("attended", "attended", ".2f")]
+            + [(t, t, ".1f") for t in tasks]
             + [("mean", "mean", ".1f"), ("95% CI", "ci", ""), ("n", "samples", "d"), ("errors", "errors", "d")])
 
 
@@ -177,7 +183,7 @@ def figure(results: list[dict]):
                 ax.axhspan(row["low"], row["high"], color="black", alpha=0.08)
             else:
                 lines.setdefault((row["press"], row["mode"]), []).append(
-                    (row["KV kept"], row["mean"], row["low"], row["high"]))
+                    (row["attended"], row["mean"], row["low"], row["high"]))
         colors = {press: f"C{i}" for i, press in enumerate(sorted({press for press, _ in lines}))}
         kv = [x for points in lines.values() for x, *_ in points] or [1.0]
         span = max(max(kv) - min(kv), 0.02)
@@ -191,7 +197,7 @@ def figure(results: list[dict]):
         n = max(row["samples"] for row in panel)
         title = (f"{model}, {length} tokens, {name} tasks: mean over {len(tasks)} task{'s' * (len(tasks) > 1)}, "
                  f"{n} samples each ({', '.join(tasks)}); bars: 95% Wilson interval")
-        ax.set(title=textwrap.fill(title, 80), xlabel="fraction of the KV cache kept", ylabel="mean score (%)",
+        ax.set(title=textwrap.fill(title, 80), xlabel="fraction of the KV cache attended (kept, when a press evicts)", ylabel="mean score (%)",
                xlim=(max(0.0, min(kv) - 0.1 * span), max(kv) + 0.1 * span),
                ylim=(max(0.0, min(r["low"] for r in panel) - 3), min(100.0, max(r["high"] for r in panel) + 3)))
         ax.title.set_fontsize("small")

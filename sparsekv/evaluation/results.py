@@ -56,6 +56,8 @@ def merge(directory: Path, config: dict) -> dict:
         "score": aggregate([r["score"] for r in ordered]),
         "errors": sum("error" in r for r in ordered),
         "kv_fraction": sum(r["kv_fraction"] for r in ordered) / len(ordered),
+        # Records made before it was measured hold the nominal share only, as kv_fraction.
+        "attended_fraction": sum(r.get("attended_fraction", r["kv_fraction"]) for r in ordered) / len(ordered),
         "prompt_tokens": sum(r["prompt_tokens"] for r in ordered) / len(ordered),
     }
     write_json(directory / "metrics.json", metrics)

@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from ..cache import cache_footprint
 from ..environment import environment
 from ..models import MODELS, auto_device, require, sha256_file
 from ..prefill import Prefill, generate_from
@@ -179,8 +180,11 @@ def context_limit(model) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int, prefill: Prefill | None = None) -> str:
-    """The model's greedy reply to one prompt, with `press` (None: full cache) in `mode`.
+def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int,
+           prefill: Prefill | None = None) -> tuple[str, dict]:
+    """The model's greedy reply to one prompt, with `press` (None: full cache) in `mode`, and what the cache held
+    when the reply was done: `{"kv_fraction": resident tokens, "attended_fraction": attended tokens}`, each over
+    the tokens seen and averaged over layers (measured, so CHESS's store counts: it keeps every token).
 
     `prefill` is the prompt's recorded forward (of `prompt.ids` in "question" mode, of `prompt.context_ids` in
     "agnostic" mode), shared by every press answering the same prompt; made here when not given.
@@ -188,13 +192,20 @@ def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int, 
     generation = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=model.generation_config.eos_token_id)
     ids = prompt.ids.to(model.device)
-    if mode == "agnostic" and press is not None:
-        prefill = prefill or Prefill.run(model, prompt.context_ids.to(model.device))
-        # The context compressed alone, then the question read from it.
-        out = generate_from(model, press, prefill.compress(press), ids, generation)
+    if press is None:
+        out = (prefill or Prefill.run(model, ids)).generate(None, generation)
+        held = {"kv_fraction": 1.0, "attended_fraction": 1.0}
     else:
-        out = (prefill or Prefill.run(model, ids)).generate(press, generation)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        prefill = prefill or Prefill.run(model, (prompt.context_ids if mode == "agnostic" else ids).to(model.device))
+        cache = prefill.compress(press)
+        if mode == "agnostic":  # the context compressed alone, then the question read from it
+            out = generate_from(model, press, cache, ids, generation, copy_cache=False)
+        else:
+            out = prefill.generate(press, generation, cache=cache)
+        resident, attended, _ = cache_footprint(cache)
+        seen = cache.get_seq_length()
+        held = {"kv_fraction": resident / seen, "attended_fraction": attended / seen}
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), held
 
 
 class Evaluator:
@@ -313,14 +324,16 @@ class Evaluator:
         compressed = prompt.context_ids.shape[1] if run.mode == "agnostic" else len(prompt)
         kept = run.ratio if run.budget is None else min(1.0, run.budget / compressed)
         record = {"depth": sample.depth, "answers": sample.answers, "metric": sample.metric,
-                  "prompt_tokens": len(prompt), "kv_fraction": kept}
+                  "prompt_tokens": len(prompt)}
         try:
             if error is not None:
                 raise ValueError(error)
-            reply = answer(self.model, self.tokenizer, press, prompt, run.mode, new_tokens, prefill)
+            reply, held = answer(self.model, self.tokenizer, press, prompt, run.mode, new_tokens, prefill)
         except ValueError as err:  # e.g. a budget larger than the prompt: counted wrong, the sweep goes on
-            return {**record, "prediction": "", "score": 0.0, "error": str(err)}
-        return {**record, "prediction": reply, "score": score(reply, sample.answers, sample.metric)}
+            # Nothing was held: the nominal share stands in, so the row still has a place on the plot.
+            return {**record, "kv_fraction": kept, "attended_fraction": kept, "prediction": "", "score": 0.0,
+                    "error": str(err)}
+        return {**record, **held, "prediction": reply, "score": score(reply, sample.answers, sample.metric)}
 
 
 def load_and_evaluate(config: EvalConfig, device_map=None, dtype=torch.float32, attn_implementation="sdpa",
