@@ -198,7 +198,7 @@ def test_press_is_reusable_and_stateless():
         greedy(model, prompt(90, seed=2))
         again = greedy(model, prompt(60, seed=1))
     assert torch.equal(first, again)
-    assert repr(press) == "SnapKVPress(ratio=0.5, budget=None, window_size=8, kernel_size=7, pooling='max')"
+    assert repr(press) == "SnapKVPress(ratio=0.5, budget=None, window_size=8, kernel_size=15, pooling='max')"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
@@ -425,12 +425,14 @@ def test_snapkv_scores_match_full_attention():
     model = make_model("qwen2", "eager")
     ids, w, budget = prompt(80), 8, 24
     attn = model(ids, output_attentions=True).attentions
-    with SnapKVPress(budget=budget, window_size=w)(model):
+    press = SnapKVPress(budget=budget, window_size=w)
+    with press(model):
         cache = model(ids).cache
+    k = press.kernel_size
     for layer_idx, layer in enumerate(compressed_layers(cache)):
         a = attn[layer_idx][0, :, -w:, :].sum(1)  # (heads, L)
         a = a.view(2, 2, 80).mean(1)  # GQA group mean per KV head
-        a = F.max_pool1d(a[:, None], 7, stride=1, padding=3)[:, 0]
+        a = F.max_pool1d(a[:, None], k, stride=1, padding=k // 2)[:, 0]
         a[:, -w:] = float("inf")
         kept = torch.zeros_like(a, dtype=torch.bool).scatter(-1, layer.positions[0], True)
         assert int(kept.sum()) == 2 * budget

@@ -80,7 +80,7 @@ class SentencePress(SnapKVPress):
             paper's NIAH result uses 3).
         n_sinks: first prompt tokens always attended (default 32, the authors' code).
         window_size: SnapKV's observation window, also the recent window always attended (default 32).
-        kernel_size: SnapKV's pooling kernel, in tokens (default 7, see `SnapKVPress`).
+        kernel_size: SnapKV's pooling kernel, in tokens (default 7, the authors' code).
         pooling: SnapKV's pooling, "max" or "avg" (default "max", see `SnapKVPress`).
         offload_device: where the store lives (default "cpu"; pinned memory when the model is on CUDA).
         max_sentence_tokens: longest sentence bucket; longer ones are cut (default 128, ~4x the paper's median
@@ -97,6 +97,7 @@ class SentencePress(SnapKVPress):
 
     tokenizer: Any = field(default=None, repr=False, compare=False, kw_only=False)
     keep_factor: float = 2.0
+    kernel_size: int = 7
     n_sinks: int = 32
     offload_device: str = "cpu"
     max_sentence_tokens: int = 128
