@@ -90,7 +90,9 @@ def test_prompt_work_done_once_per_prompt(monkeypatch):
     model = make_model("llama")  # 3 layers
     prefill = Prefill.run(model, prompt(80))
     for ratio in (0.5, 0.3, 0.2):
-        for press in (SnapKVPress(ratio=ratio, window_size=8), ChunkPress(ratio=ratio, window_size=8, reuse_layers=1),
+        # SnapKV with ChunkKV's kernel: the same window scores, shared
+        for press in (SnapKVPress(ratio=ratio, window_size=8, kernel_size=7),
+                      ChunkPress(ratio=ratio, window_size=8, reuse_layers=1),
                       H2OPress(ratio=ratio)):
             prefill.compress(press)
     assert calls.count("window") == 3 and calls.count("h2o") == 3
