@@ -47,8 +47,8 @@ class ChunkPress(SnapKVPress):
         ratio: fraction of each prompt's KV kept, window included, in (0, 1].
         budget: tokens kept per prompt, window included.
         window_size: SnapKV's observation window, in tokens (default 32, see `SnapKVPress`).
-        kernel_size: SnapKV's pooling kernel, in tokens (default 7, the SnapKV configs: whole chunks already keep
-            a value's neighbours, and ChunkKV's measured results were made with it).
+        kernel_size: SnapKV's pooling kernel, in tokens (default 7, the SnapKV configs; not `SnapKVPress`'s 15:
+            whole chunks already keep a value's neighbours, and 15 lost a multi-key needle in the measured cells).
         pooling: SnapKV's pooling, "max" or "avg" (default "max", see `SnapKVPress`).
         chunk_size: tokens per chunk (default 10, paper sec. "Key Insight"; robust from 5 to 20).
         reuse_layers: consecutive layers sharing one selection (default 2, the paper's recommendation: ~0.5%
