@@ -3,13 +3,14 @@
 For needle prompts (the samples of `sparsekv eval --tasks niah_single`, `niah_multikey` or a prose task, by
 index), the prompt runs under `SentencePress` for one decoding step; the script prints, per layer, how many of
 the asked value's tokens the prefilter kept in the offload store, how many the first step loaded on each KV
-head, and where that step ranked the needle's sentence on each head. A digit missing from a layer's store can never be
-attended there, whatever the retrieval does; a stored needle ranked low is the retrieval's miss (compare
+head, and where that step ranked the needle's sentence on each head. A token missing from a layer's store can never
+be attended there, whatever the retrieval does; a stored needle ranked low is the retrieval's miss (compare
 `--no-centre`).
 
     PYTHONPATH=. python benchmarks/sentence_store.py --model smollm2-135m --budget 128 --keep-factor 3 --samples 5,9
     PYTHONPATH=. python benchmarks/sentence_store.py --task niah_multikey --keep-factor 3 --samples 2 --no-centre
-    PYTHONPATH=. python benchmarks/sentence_store.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 12,14
+    PYTHONPATH=. python benchmarks/sentence_store.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 \\
+        --samples 12,14 --kernel-size 7
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ def main(argv=None):
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=4096)
     kept = parser.add_mutually_exclusive_group()
-    kept.add_argument("--budget", type=int, help="tau, tokens attended per step (default: 128)")
+    kept.add_argument("--budget", type=int, default=128, help="tau, tokens attended per step (default: 128)")
     kept.add_argument("--ratio", type=float, help="tau as a fraction of the prompt, instead of --budget")
     parser.add_argument("--task", default="niah_single",
                         choices=[t for t in TASKS if t.startswith(("niah_single", "niah_multikey", "prose_"))],
                         help="the asked needle is the one traced (multikey: three distractors besides)")
-    parser.add_argument("--kernel-size", type=int, default=7, help="SnapKV's pooling kernel of the prefilter")
+    parser.add_argument("--kernel-size", type=int, default=SentencePress.kernel_size,
+                        help="SnapKV's pooling kernel of the prefilter (default: SentencePress's, %(default)s)")
     parser.add_argument("--keep-factor", type=float, default=2.0, help="r: r * tau tokens kept in the store")
     parser.add_argument("--no-centre", dest="centre", action="store_false", help="eq. 1 on the cached keys")
     parser.add_argument("--no-prompt-sentence", dest="prompt_sentence", action="store_false",
@@ -82,7 +84,7 @@ def main(argv=None):
         ids = encode(tokenizer, sample).ids
         value = sample.answers[0]
         start, end = value_tokens(tokenizer, ids, value)
-        kept = {"ratio": args.ratio} if args.ratio is not None else {"budget": args.budget or 128}
+        kept = {"ratio": args.ratio} if args.ratio is not None else {"budget": args.budget}
         press = SentencePress(tokenizer, **kept, keep_factor=args.keep_factor, centre=args.centre,
                               prompt_sentence=args.prompt_sentence, kernel_size=args.kernel_size)
         answer, rows = value_coverage(model, tokenizer, ids, range(start, end), press)

@@ -10,7 +10,8 @@ could not run (counted wrong). A missing task is shown as missing, and its row h
 tasks a row happens to have would compare rows on different tasks.
 
 The plot shows, per model, length and family, the mean score against the fraction of the KV cache attended
-(what an evicting press keeps; CHESS keeps every token and attends its selection) with its interval: one line per press (dashed for question-agnostic runs), the full cache as a horizontal band.
+(what an evicting press keeps; CHESS keeps every token and attends its selection) with its interval: one line
+per press (dashed for question-agnostic runs), the full cache as a horizontal band.
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ def figure(results: list[dict]):
         n = max(row["samples"] for row in panel)
         title = (f"{model}, {length} tokens, {name} tasks: mean over {len(tasks)} task{'s' * (len(tasks) > 1)}, "
                  f"{n} samples each ({', '.join(tasks)}); bars: 95% Wilson interval")
-        ax.set(title=textwrap.fill(title, 80), xlabel="fraction of the KV cache attended (kept, when a press evicts)", ylabel="mean score (%)",
+        ax.set(title=textwrap.fill(title, 80), xlabel="fraction of the KV cache attended (kept, when a press evicts)",
+               ylabel="mean score (%)",
                xlim=(max(0.0, min(kv) - 0.1 * span), max(kv) + 0.1 * span),
                ylim=(max(0.0, min(r["low"] for r in panel) - 3), min(100.0, max(r["high"] for r in panel) + 3)))
         ax.title.set_fontsize("small")
