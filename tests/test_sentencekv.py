@@ -223,18 +223,20 @@ def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
                 assert torch.equal(layer.values[row, head, :fill], layer.store_values[row, head, slot])
 
 
-@pytest.mark.parametrize("centre", [True, False])
-def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(centre):
+@pytest.mark.parametrize("centre,vector", [(True, "mean"), (False, "mean"), (True, "bounds")])
+def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(centre, vector):
     """Each sentence's vector, recomputed from the layer's key projection: the mean over its stored tokens of
     the key minus the prompt's mean key (before RoPE, then rotated to the token's position) with `centre`,
-    of the cached key without. Batch of 2 with left padding: padding is in no mean."""
+    of the cached key without; with `sentence_vector="bounds"`, each channel's max and min of the same keys.
+    Batch of 2 with left padding: padding is in no mean or bound."""
     model, tok = make_model("qwen2", vocab_size=420), make_tokenizer()
     tok.padding_side = "left"
     lines = ["The cat sat on the mat.", "A dog ran far away!", "Is it raining?", "We left at noon."]
     batch = tok([" ".join(lines * 4), " ".join(lines[::-1] * 3)], return_tensors="pt", padding=True)
     ids, mask = batch.input_ids, batch.attention_mask
     assert not mask[1, 0]  # the second row is left-padded
-    with attention_inputs(model) as inputs, press(budget=30, centre=centre)(model), torch.no_grad():
+    with attention_inputs(model) as inputs, press(budget=30, centre=centre, sentence_vector=vector)(model), \
+            torch.no_grad():
         cache = model(ids, attention_mask=mask).cache
     for i, layer in enumerate(cache.layers):
         attn, kw = model.model.layers[i].self_attn, inputs[i]
@@ -251,8 +253,30 @@ def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(cent
             assert len(sentence[sentence != empty].unique()) > 3
             for s_id in sentence[sentence != empty].unique().tolist():
                 at = stored[sentence == s_id]
-                torch.testing.assert_close(layer.state.sentence_keys[row, :, s_id], keys[row, :, at].mean(1),
-                                           rtol=1e-4, atol=1e-4)
+                kept = keys[row, :, at]
+                expected = kept.mean(1) if vector == "mean" else torch.cat([kept.amax(1), kept.amin(1)], -1)
+                torch.testing.assert_close(layer.state.sentence_keys[row, :, s_id], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sentence_bound_is_the_most_any_of_its_keys_can_score():
+    """`sentence_vector="bounds"`: a sentence scores at least every one of its keys' `q . k`, exactly that of a
+    one-token sentence; a sentence holding the one key that matches the query outranks those without, which
+    the mean of its keys does not (the matching key diluted by the others)."""
+    gen = torch.Generator().manual_seed(0)
+    d, q = 8, torch.randn(1, 1, 8, generator=gen)
+    noise = torch.randn(1, 1, 2, 6, d, generator=gen) * 0.5  # 2 sentences of 6 tokens
+    noise[0, 0, 0, 0] = q[0, 0] * 2  # sentence 0 holds a key matching the query ...
+    noise[0, 0, 0, 1:] -= q[0, 0] * 0.6  # ... among keys that turn away from it
+    single = torch.randn(1, 1, 1, d, generator=gen)  # sentence 2: one token
+    keys = [noise[:, :, 0], noise[:, :, 1], single]
+    bounds = torch.stack([torch.cat([k.amax(2), k.amin(2)], -1) for k in keys], dim=2)
+    means = torch.stack([k.mean(2) for k in keys], dim=2)
+    score = {v: SentencePress.similarity(SimpleNamespace(state=SimpleNamespace(query_sum=q, sentence_keys=k)))[0, 0]
+             for v, k in (("bounds", bounds), ("mean", means))}
+    for s, k in enumerate(keys):
+        assert bool((score["bounds"][s] >= (k[0, 0] @ q[0, 0]).max() - 1e-5).all())
+    torch.testing.assert_close(score["bounds"][2], single[0, 0, 0] @ q[0, 0])
+    assert score["bounds"][0] > score["bounds"][1] and score["mean"][0] < score["mean"][1]
 
 
 def test_sentence_ranks():
@@ -310,6 +334,8 @@ def test_alias_repr_and_errors():
         press(budget=64, keep_factor=0.5)
     with pytest.raises(ValueError, match="offload_device"):
         press(budget=64, offload_device="floppy")
+    with pytest.raises(ValueError, match="sentence_vector must be 'mean' \\(eq. 1\\) or 'bounds'; got 'max'"):
+        press(budget=64, sentence_vector="max")
     model = make_model("llama")
     with press(budget=12)(model), pytest.raises(ValueError, match="longer than n_sinks=4 \\+ window_size=8"):
         model(prompt(12))

@@ -342,8 +342,12 @@ class CHESSPress(Press):
         """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
         `(batch, pages)`, for rows of `lengths` real tokens."""
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
-        n_pages = vectors.shape[1]
-        s_page = (vectors @ anchor[:, :, None])[..., 0]  # eq. 4 for every page: one GEMM
+        return self.select_by(((vectors @ anchor[:, :, None])[..., 0]), candidate)  # eq. 4 for every page: one GEMM
+
+    def select_by(self, s_page: torch.Tensor, candidate: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Algorithm 1 from the pages' scores `s_page` and the candidate pages, both `(batch, pages)`: as `select`."""
+        n_pages = s_page.shape[1]
         # Eq. 2 then eq. 4: a chunk's (grid's) vector is the mean of its candidate children, and the dot product is
         # linear, so its score is the mean of their scores; "max" pooling scores it by its best child instead.
         pad = -n_pages % (self.chunk_pages * self.grid_chunks)  # pages padded to whole grids

@@ -34,7 +34,7 @@ class SentenceLayerState(RowState):
     """
 
     loaded: int = 0  # slots of the loaded region
-    sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim), eq. 1
+    sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim) eq. 1; (..., 2 head_dim) bounds
     query_sum: torch.Tensor | None = None  # (batch, kv_heads, head_dim): the sentence being generated
     resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
     device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
@@ -49,24 +49,28 @@ class SentenceLayerState(RowState):
 @dataclass(kw_only=True)
 class SentencePress(SnapKVPress):
     """Keep the prompt as sentences in an offload store; at every decoding step, attend to the sentences whose
-    mean key best matches the mean query of the sentence being generated.
+    keys best match the mean query of the sentence being generated.
 
     Prefill (paper sec. 4.1): the prompt is split into sentences (`sparsekv.segment`: Punkt, blank lines, long
-    sentences cut at mean + 2 std tokens, A.7). SnapKV's window scores, summed over the heads, keep the best
-    `keep_factor * budget` prompt tokens over all sentences besides the attention sinks and the recent window,
-    which stay on the device (A.7's global prefilter); their KV goes to the store on `offload_device`, and
-    each sentence's mean key per KV head over its kept tokens (eq. 1, relative to the prompt's mean key: `centre`)
-    stays on the device.
+    sentences cut at mean + 2 std tokens, A.7, and at `max_sentence_tokens`). SnapKV's window scores, summed over
+    the heads, keep the best `keep_factor * budget` prompt tokens over all sentences besides the attention sinks
+    and the recent window, which stay on the device (A.7's global prefilter); their KV goes to the store on
+    `offload_device`, and each sentence's vector per KV head over its kept tokens (relative to the prompt's mean
+    key: `centre`) stays on the device: by default its keys' channel-wise bounds (`sentence_vector`), eq. 1's mean
+    one option away.
     Decoding (sec. 4.2): the queries of the tokens of the sentence being generated are averaged (eq. 2; reset
     after a token that ends a sentence; started by the prompt's unfinished last sentence: `prompt_sentence`), the
-    query heads of each GQA group averaged, and per KV head sentences are ranked by `q . k_s`; the tokens of the
-    best sentences (the first ones by position of the last sentence, which is cut) are loaded until the budget.
+    query heads of each GQA group averaged, and per KV head sentences are ranked by `q . k_s` (bounds: the most
+    any of its keys can score); the tokens of the best sentences (the first ones by position of the last
+    sentence, which is cut) are loaded until the budget.
     Only tokens entering the selection are copied from the store, in one gather and one write per layer; none
     when it did not change. The queries are the step's own (captured after the layer's projection,
     `on_queries`). Attention reads sinks + loaded + recent window + generated.
 
-    Choices the paper leaves open (sparsekv's; `prompt_sentence` and `centre` below, each with its measured
-    effect in docs/results.md): where the sentence being generated starts, and what RoPE does to eq. 1's mean keys.
+    Choices the paper leaves open or sparsekv makes beyond it (`prompt_sentence`, `centre`, `max_sentence_tokens`,
+    `sentence_vector` below, each with its measured effect in docs/results.md): where the sentence being generated
+    starts, what RoPE does to eq. 1's mean keys, how long a sentence may be, and what stands for a sentence.
+    `SentencePress(max_sentence_tokens=128, sentence_vector="mean")` ranks sentences as the paper's eq. 1.
     The sinks and the recent window (32 + 32, from the authors' code; the paper names neither) come on top of
     the tau loaded tokens, as the paper's tau counts retrieved tokens only.
 
@@ -84,8 +88,10 @@ class SentencePress(SnapKVPress):
             which in the measured cells found as many needles or fewer: docs/results.md, "SnapKV's pooling kernel").
         pooling: SnapKV's pooling, "max" or "avg" (default "max", see `SnapKVPress`).
         offload_device: where the store lives (default "cpu"; pinned memory when the model is on CUDA).
-        max_sentence_tokens: longest sentence bucket; longer ones are cut (default 128, ~4x the paper's median
-            sentence of 25-30 tokens; only matters when mean + 2 std does not apply, e.g. one sentence).
+        max_sentence_tokens: longest sentence bucket, in tokens; longer ones are cut into equal pieces (default 32,
+            sparsekv's: about the paper's median sentence of 25-30 tokens, A.4). In real prose mean + 2 std (A.7)
+            leaves sentences of 50-100 tokens, more than half the tokens of Python's reference manual, and a
+            short code inside one is lost in its vector; 128 (sparsekv's earlier default) leaves A.7 alone.
         prompt_sentence: when the prompt ends inside a sentence (an answer prefix such as "The number is"), the
             sentence being generated began in the prompt, and its prompt tokens' queries start the mean query
             (default True). False: an empty sentence cache at the first step, as the paper's Fig. 2 (there, the
@@ -94,15 +100,21 @@ class SentencePress(SnapKVPress):
             to the key's position), default True. Without RoPE this ranks sentences as eq. 1 does (`q . mean` is
             the same for all); with RoPE the shared component turns with position and ranks sentences by
             distance, the recent and the first ones on top. False: eq. 1 on the cached keys.
+        sentence_vector: what stands for a sentence in the ranking. "bounds" (default, sparsekv's: Quest's page
+            bound applied to sentences): each channel's min and max over its kept keys, scored
+            `sum_i max(q_i min_i, q_i max_i)`, the most any of its keys can score: one token that matches the
+            query lifts its sentence, where a mean dilutes it among the sentence's other tokens (a code inside a
+            long prose sentence). Twice the device memory of a mean per sentence. "mean": eq. 1, scored `q . k_s`.
     """
 
     tokenizer: Any = field(default=None, repr=False, compare=False, kw_only=False)
     keep_factor: float = 2.0
     n_sinks: int = 32
     offload_device: str = "cpu"
-    max_sentence_tokens: int = 128
+    max_sentence_tokens: int = 32
     prompt_sentence: bool = True
     centre: bool = True
+    sentence_vector: str = "bounds"
     reads_input_ids: ClassVar[bool] = True
     paper_name: ClassVar[str] = "SentenceKV"
     reads_step_queries: ClassVar[bool] = True
@@ -119,6 +131,9 @@ class SentencePress(SnapKVPress):
         for name in ("prompt_sentence", "centre"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SentencePress: {name} must be True or False; got {getattr(self, name)!r}.")
+        if self.sentence_vector not in ("mean", "bounds"):
+            raise ValueError(f"SentencePress: sentence_vector must be 'mean' (eq. 1) or 'bounds'; got "
+                             f"{self.sentence_vector!r}.")
         try:
             torch.device(self.offload_device)
         except (RuntimeError, TypeError):
@@ -171,7 +186,7 @@ class SentencePress(SnapKVPress):
         in_store = store < n
         store = store.clamp(max=n - 1)
         shared = self._shared_keys(layer, call, valid, store) if self.centre else 0.0
-        self._fill_store(layer, store, in_store, cache.state.sentences.to(device), shared)
+        self._fill_store(layer, store, in_store, cache.state.sentences.to(device), shared, self.sentence_vector)
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
         layer.state.loaded = int(taus.max())
@@ -206,8 +221,9 @@ class SentencePress(SnapKVPress):
         return rotate(mean.expand(-1, -1, r, -1), at)
 
     @staticmethod
-    def _fill_store(layer, store, in_store, sentences, shared):
-        """The prefiltered tokens' KV to the offload store; per sentence, the mean of their keys minus `shared`.
+    def _fill_store(layer, store, in_store, sentences, shared, vector="mean"):
+        """The prefiltered tokens' KV to the offload store; per sentence, the mean of their keys minus `shared`
+        (`vector="bounds"`: each channel's max, then its min, concatenated: `(b, h, S, 2 d)`).
 
         Only sentences that kept a token are ranked, renumbered in order: the others could take no budget, and
         on long prompts they are most of them (4 in 5 at 8k tokens, r = 2), so each step's sort and similarity
@@ -225,9 +241,15 @@ class SentencePress(SnapKVPress):
         bucket = (present.cumsum(1) - 1).gather(1, bucket).masked_fill(~in_store, n_sentences - 1)
         slot = bucket[:, None, :, None].expand(b, h, -1, d)
         weight = in_store.float()[:, None, :, None]
-        sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, (keys.float() - shared) * weight)
+        centred = keys.float() - shared
         counts = weight.new_zeros(b, n_sentences).scatter_add_(1, bucket, in_store.float())
-        layer.state.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
+        if vector == "bounds":  # empty slots are all in the empty sentence, which is never loaded
+            high = weight.new_zeros(b, h, n_sentences, d).scatter_reduce_(2, slot, centred, "amax", include_self=False)
+            low = weight.new_zeros(b, h, n_sentences, d).scatter_reduce_(2, slot, centred, "amin", include_self=False)
+            layer.state.sentence_keys = torch.cat([high, low], dim=-1)
+        else:
+            sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, centred * weight)
+            layer.state.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
         layer.state.sentence_sizes = counts.long()[:, None]  # (b, 1, S) stored tokens of each sentence
         layer.state.slot_sentence = bucket[:, None].expand(b, h, -1)
         layer.fill_store(keys, values, store)
@@ -267,9 +289,14 @@ class SentencePress(SnapKVPress):
 
     @staticmethod
     def similarity(layer) -> torch.Tensor:
-        """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector."""
+        """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector (bounds: the bound)."""
         # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
-        return (layer.state.query_sum[:, :, None] @ layer.state.sentence_keys.transpose(-1, -2))[:, :, 0]
+        query, keys = layer.state.query_sum, layer.state.sentence_keys
+        if keys.shape[-1] != query.shape[-1]:  # bounds [max | min]: q_i max_i where q_i > 0, q_i min_i elsewhere
+            query = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)
+        # A product and a sum, not a matmul: BLAS sends even this (S x d) product to its thread pool, whose start
+        # costs more than the product does, and far more when other work holds the cores.
+        return (keys * query[:, :, None]).sum(dim=-1)
 
     @classmethod
     def _chosen(cls, layer) -> torch.Tensor:
