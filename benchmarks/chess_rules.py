@@ -4,9 +4,13 @@ Each sample's prompt runs once under `CHESSPress` (its page vectors do not depen
 selects at the same budget with each rule: chunks and grids scored by the mean of their pages (eq. 2) or by
 their best page (`pooling="max"`), and the `ratio` split evenly over grids, chunks and pages (sparsekv's
 `ratio=` shorthand) or spent on pages alone (`ratios=(1, 1, ratio)`: Algorithm 1 without its upper levels).
-A needle counts as kept when every page holding its value is attended (selected, sink or window).
+A needle counts as kept when every page holding its value is attended (selected, sink or window). One more rule,
+`--bounds`, replaces eq. 4's page vector by Quest's page bound: each page's channel-wise max and min of its
+centred keys before RoPE (over every layer and KV head, as eq. 1), scored `sum_i max(a_i max_i, a_i min_i)`
+against the anchor `a`, with max pooling; its keys come from the cache's store, so it is traced here only.
 
     PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 20
+    PYTHONPATH=. python benchmarks/chess_rules.py --model smollm2-135m --task prose_code --page-size 16 --bounds
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from chess_affinity import needle_arguments, swept_samples
 from tqdm.auto import tqdm
 
 from sparsekv import CHESSPress
+from sparsekv.attention import rotate
 from sparsekv.models import load_model
 from sparsekv.table import format_table
 
@@ -33,14 +38,37 @@ def rules(ratio: float, page_size: int) -> dict[str, CHESSPress]:
     }
 
 
+def bound_scores(model, cache, press: CHESSPress, n: int) -> torch.Tensor:
+    """Each page's bound `(1, pages)` against the anchor: `sum_i max(a_i max_i, a_i min_i)` over the channels of
+    its tokens' keys before RoPE, centred as `page_vectors` centres page vectors (one row, `n` prompt tokens)."""
+    cos, sin = model.model.rotary_emb(torch.zeros(1, n, 1), torch.arange(n)[None])
+    keys = torch.cat([rotate(cache.layers[i].store_keys[:, :, :n].float(), (cos, sin), inverse=True)
+                      .permute(0, 2, 1, 3).flatten(2) for i in cache.state.columns], dim=-1)[0]  # (n, D)
+    lengths = torch.tensor([n])
+    vectors, anchor, candidate = press.page_vectors(cache.state.page_sums, lengths)
+    n_pages = vectors.shape[1]
+    means = cache.state.page_sums[0, :n_pages] / (n - torch.arange(n_pages) * press.page_size).clamp(
+        1, press.page_size)[:, None]
+    keys = keys - means[candidate[0]].mean(0)  # the centre `page_vectors` subtracted
+    pad = n_pages * press.page_size - n
+    pages = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("nan")).view(n_pages, press.page_size, -1)
+    high = pages.nan_to_num(float("-inf")).amax(1)
+    low = pages.nan_to_num(float("inf")).amin(1)
+    return (high @ anchor[0].clamp(min=0) + low @ anchor[0].clamp(max=0))[None]
+
+
 @torch.no_grad()
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     needle_arguments(parser, ratio=0.1, samples=20)
     parser.add_argument("--page-size", type=int, default=32, help="tokens per page (default: 32, the paper's)")
+    parser.add_argument("--bounds", action="store_true", help="add the page-bound rule (see above)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     presses = rules(args.ratio, args.page_size)
+    bound_rule = "page bounds (Quest), max pooling, ratio split evenly"
+    if args.bounds:
+        presses[bound_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
     kept = {name: 0 for name in presses}
     pages = {name: [] for name in presses}
     for _, _, ids, (first, end) in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
@@ -50,7 +78,11 @@ def main(argv=None):
             out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
         lengths = torch.tensor([ids.shape[1]])
         for name, press in presses.items():
-            _, _, selected = press.select(out.cache.state.page_sums, lengths)
+            if name == bound_rule:
+                _, candidate = press.page_roles(lengths, -(-ids.shape[1] // press.page_size))
+                _, _, selected = press.select_by(bound_scores(model, out.cache, press, ids.shape[1]), candidate)
+            else:
+                _, _, selected = press.select(out.cache.state.page_sums, lengths)
             always, _ = press.page_roles(lengths, selected.shape[1])
             attended = selected[0] | always[0]
             kept[name] += bool(attended[first // press.page_size: (end - 1) // press.page_size + 1].all())

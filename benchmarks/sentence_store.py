@@ -10,7 +10,7 @@ be attended there, whatever the retrieval does; a stored needle ranked low is th
     PYTHONPATH=. python benchmarks/sentence_store.py --model smollm2-135m --budget 128 --keep-factor 3 --samples 5,9
     PYTHONPATH=. python benchmarks/sentence_store.py --task niah_multikey --keep-factor 3 --samples 2 --no-centre
     PYTHONPATH=. python benchmarks/sentence_store.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 \\
-        --samples 12,14 --kernel-size 7
+        --samples 12,14 --kernel-size 7 --max-sentence-tokens 128 --sentence-vector mean
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ def main(argv=None):
                         help="SnapKV's pooling kernel of the prefilter (default: SentencePress's, %(default)s)")
     parser.add_argument("--keep-factor", type=float, default=2.0, help="r: r * tau tokens kept in the store")
     parser.add_argument("--no-centre", dest="centre", action="store_false", help="eq. 1 on the cached keys")
+    parser.add_argument("--sentence-vector", choices=("mean", "bounds"), default=SentencePress.sentence_vector,
+                        help="what stands for a sentence (default: SentencePress's, %(default)s; mean: eq. 1)")
+    parser.add_argument("--max-sentence-tokens", type=int, default=SentencePress.max_sentence_tokens,
+                        help="longest sentence, in tokens (default: SentencePress's, %(default)s)")
     parser.add_argument("--no-prompt-sentence", dest="prompt_sentence", action="store_false",
                         help="start the mean query empty (the paper's Fig. 2)")
     parser.add_argument("--samples", default="5,9", help="sample indices, as `sparsekv eval --samples 20` numbers them")
@@ -86,7 +90,8 @@ def main(argv=None):
         start, end = value_tokens(tokenizer, ids, value)
         kept = {"ratio": args.ratio} if args.ratio is not None else {"budget": args.budget}
         press = SentencePress(tokenizer, **kept, keep_factor=args.keep_factor, centre=args.centre,
-                              prompt_sentence=args.prompt_sentence, kernel_size=args.kernel_size)
+                              prompt_sentence=args.prompt_sentence, kernel_size=args.kernel_size,
+                              sentence_vector=args.sentence_vector, max_sentence_tokens=args.max_sentence_tokens)
         answer, rows = value_coverage(model, tokenizer, ids, range(start, end), press)
         print(f"\nsample {index}: value {value} at tokens {start}-{end - 1}; answer {answer!r}")
         print(format_table(rows, [(k, k, "") for k in rows[0]]))

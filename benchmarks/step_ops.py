@@ -1,0 +1,84 @@
+"""How many ops does a press add to a decoding step, and where? Ops dispatched per step, by sparsekv source line.
+
+On a CPU a decoding step of a small model is bound by the count of small ops, not their size (docs/
+decode_vs_oracle.md), so this counts them: every op torch dispatches during `--steps` one-token forwards from a
+prefilled cache is charged to the innermost sparsekv line on the Python stack ("model" when there is none: the
+model's own ops). The oracle is the full cache of the prompt's last `ratio * length` tokens, with no press.
+
+    PYTHONPATH=. python benchmarks/step_ops.py --presses snapkv,h2o,sentencekv
+    PYTHONPATH=. python benchmarks/step_ops.py --presses sentencekv --lines 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sparsekv.evaluation.presses import make_press
+from sparsekv.models import load_model
+from sparsekv.niah import build_needle_prompt
+from sparsekv.presses.registry import split_specs
+
+
+class OpsBySource(TorchDispatchMode):
+    """Counts dispatched ops by the innermost `sparsekv/` frame that issued them."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame, where = sys._getframe(1), "model"
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if "/sparsekv/" in name:
+                where = f"{name.split('/sparsekv/')[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+                break
+            frame = frame.f_back
+        self.counts[where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def count(model, ids: torch.Tensor, context, steps: int) -> Counter:
+    """Ops per step by source, over `steps` greedy steps after 3 warm-up steps, `ids` prefilled in `context`."""
+    with context:
+        out = model(ids, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        with OpsBySource() as ops:
+            for _ in range(steps):
+                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+    return Counter({k: v / steps for k, v in ops.counts.items()})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=4096, help="prompt tokens (default: 4096)")
+    parser.add_argument("--presses", default="snapkv,h2o,sentencekv", help="as in `sparsekv bench` (default: %(default)s)")
+    parser.add_argument("--ratio", type=float, default=0.1, help="fraction of the prompt's KV kept (default: 0.1)")
+    parser.add_argument("--steps", type=int, default=5, help="decoding steps counted (default: 5)")
+    parser.add_argument("--lines", type=int, default=12, help="busiest source lines shown per press (default: 12)")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model)
+    source, _ = build_needle_prompt(tokenizer, int(1.04 * args.length) + 16)
+    ids = source[:, -args.length:]
+    oracle = count(model, ids[:, -round(args.ratio * args.length):], contextlib.nullcontext(), args.steps)
+    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}: ops dispatched per decoding step")
+    print(f"oracle: {sum(oracle.values()):.0f}")
+    for spec in split_specs(args.presses):
+        ops = count(model, ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer)(model), args.steps)
+        print(f"\n{spec}: {sum(ops.values()):.0f} ({sum(ops.values()) - sum(oracle.values()):+.0f} against the oracle)")
+        for where, n in ops.most_common(args.lines):
+            print(f"{n:8.1f}  {where}")
+
+
+if __name__ == "__main__":
+    main()
