@@ -224,7 +224,7 @@ def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
 
 
 @pytest.mark.parametrize("centre,vector", [(True, "mean"), (False, "mean"), (True, "bounds")])
-def test_sentence_vectors_are_the_mean_kept_key_relative_to_the_prompt_mean(centre, vector):
+def test_sentence_vectors_come_from_the_kept_keys_relative_to_the_prompt_mean(centre, vector):
     """Each sentence's vector, recomputed from the layer's key projection: the mean over its stored tokens of
     the key minus the prompt's mean key (before RoPE, then rotated to the token's position) with `centre`,
     of the cached key without; with `sentence_vector="bounds"`, each channel's max and min of the same keys.
