@@ -16,6 +16,7 @@ against the anchor `a`, with max pooling; its keys come from the cache's store, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from chess_affinity import needle_arguments, swept_samples
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 from sparsekv import CHESSPress
 from sparsekv.attention import rotate
 from sparsekv.models import load_model
+from sparsekv.presses.chess import masked_mean
 from sparsekv.table import format_table
 
 
@@ -38,23 +40,23 @@ def rules(ratio: float, page_size: int) -> dict[str, CHESSPress]:
     }
 
 
-def bound_scores(model, cache, press: CHESSPress, n: int) -> torch.Tensor:
-    """Each page's bound `(1, pages)` against the anchor: `sum_i max(a_i max_i, a_i min_i)` over the channels of
-    its tokens' keys before RoPE, centred as `page_vectors` centres page vectors (one row, `n` prompt tokens)."""
+def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each page's bound `(1, pages)` against the anchor, `sum_i max(a_i max_i, a_i min_i)` over the channels of
+    its tokens' keys before RoPE, centred as `page_vectors` centres page vectors, and the candidate pages
+    `(1, pages)` (one row, `n` prompt tokens)."""
     cos, sin = model.model.rotary_emb(torch.zeros(1, n, 1), torch.arange(n)[None])
     keys = torch.cat([rotate(cache.layers[i].store_keys[:, :, :n].float(), (cos, sin), inverse=True)
                       .permute(0, 2, 1, 3).flatten(2) for i in cache.state.columns], dim=-1)[0]  # (n, D)
     lengths = torch.tensor([n])
-    vectors, anchor, candidate = press.page_vectors(cache.state.page_sums, lengths)
-    n_pages = vectors.shape[1]
-    means = cache.state.page_sums[0, :n_pages] / (n - torch.arange(n_pages) * press.page_size).clamp(
-        1, press.page_size)[:, None]
-    keys = keys - means[candidate[0]].mean(0)  # the centre `page_vectors` subtracted
+    _, anchor, candidate = press.page_vectors(cache.state.page_sums, lengths)
+    plain, _, _ = dataclasses.replace(press, centre=False).page_vectors(cache.state.page_sums, lengths)
+    keys = keys - masked_mean(plain, candidate, dim=1)[0]  # the centre `page_vectors` subtracted
+    n_pages = plain.shape[1]
     pad = n_pages * press.page_size - n
     pages = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("nan")).view(n_pages, press.page_size, -1)
     high = pages.nan_to_num(float("-inf")).amax(1)
     low = pages.nan_to_num(float("inf")).amin(1)
-    return (high @ anchor[0].clamp(min=0) + low @ anchor[0].clamp(max=0))[None]
+    return (high @ anchor[0].clamp(min=0) + low @ anchor[0].clamp(max=0))[None], candidate
 
 
 @torch.no_grad()
@@ -79,8 +81,7 @@ def main(argv=None):
         lengths = torch.tensor([ids.shape[1]])
         for name, press in presses.items():
             if name == bound_rule:
-                _, candidate = press.page_roles(lengths, -(-ids.shape[1] // press.page_size))
-                _, _, selected = press.select_by(bound_scores(model, out.cache, press, ids.shape[1]), candidate)
+                _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1]))
             else:
                 _, _, selected = press.select(out.cache.state.page_sums, lengths)
             always, _ = press.page_roles(lengths, selected.shape[1])

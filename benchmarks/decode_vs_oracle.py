@@ -31,6 +31,13 @@ from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
 
 
+def needle_prompt(tokenizer, length: int) -> torch.Tensor:
+    """`(1, length)` ids: the last `length` tokens of a needle prompt built a little longer (its filler is cut
+    at sentence ends, so a prompt built to `length` can fall a few tokens short)."""
+    source, _ = build_needle_prompt(tokenizer, int(1.04 * length) + 16)
+    return source[:, -length:]
+
+
 def step_seconds(model, cache, token: torch.Tensor) -> tuple[float, torch.Tensor]:
     """Wall time of one greedy one-token forward from `cache` (modified in place), and the next token."""
     start = time.perf_counter()
@@ -110,8 +117,7 @@ def main():
         parser.error("--steps, --repeats and --batch: at least 1.")
 
     model, tokenizer = load_model(args.model)
-    source, _ = build_needle_prompt(tokenizer, int(1.04 * args.length) + 16)
-    ids = source[:, -args.length:]
+    ids = needle_prompt(tokenizer, args.length)
     rows = []
     for batch in batches:
         rows += measure(model, tokenizer, ids.expand(batch, -1), split_specs(args.presses), args.ratio, args.steps,

@@ -17,11 +17,11 @@ import sys
 from collections import Counter
 
 import torch
+from decode_vs_oracle import needle_prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsekv.evaluation.presses import make_press
 from sparsekv.models import load_model
-from sparsekv.niah import build_needle_prompt
 from sparsekv.presses.registry import split_specs
 
 
@@ -68,8 +68,7 @@ def main(argv=None):
     parser.add_argument("--lines", type=int, default=12, help="busiest source lines shown per press (default: 12)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
-    source, _ = build_needle_prompt(tokenizer, int(1.04 * args.length) + 16)
-    ids = source[:, -args.length:]
+    ids = needle_prompt(tokenizer, args.length)
     oracle = count(model, ids[:, -round(args.ratio * args.length):], contextlib.nullcontext(), args.steps)
     print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}: ops dispatched per decoding step")
     print(f"oracle: {sum(oracle.values()):.0f}")

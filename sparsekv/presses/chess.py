@@ -342,7 +342,7 @@ class CHESSPress(Press):
         """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
         `(batch, pages)`, for rows of `lengths` real tokens."""
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
-        return self.select_by(((vectors @ anchor[:, :, None])[..., 0]), candidate)  # eq. 4 for every page: one GEMM
+        return self.select_by((vectors @ anchor[:, :, None])[..., 0], candidate)  # eq. 4 for every page: one GEMM
 
     def select_by(self, s_page: torch.Tensor, candidate: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
