@@ -11,21 +11,33 @@ the KV of every row), and `--plot` draws tokens/s against batch size.
 
     PYTHONPATH=. python benchmarks/decode_vs_oracle.py --presses chunkkv,chunkkv:reuse_layers=1,snapkv
     PYTHONPATH=. python benchmarks/decode_vs_oracle.py --length 4096 --batch 1,4 --presses snapkv,h2o --plot batch.png
+
+On a GPU, with a model of a real shape and random weights (`random_models.py`; any tokenizer folder), the
+decoding steps' host synchronisations counted per press (`--count-syncs`):
+
+    PYTHONPATH=. python benchmarks/decode_vs_oracle.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR \
+        --device cuda --length 32768 --count-syncs --presses snapkv,streamingllm
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import json
 import statistics
 import time
+import warnings
 
 import torch
 from tqdm.auto import tqdm
 
+from random_models import SHAPES, random_model
+
 from sparsekv.bench import plot_throughput
+from sparsekv.environment import environment
 from sparsekv.evaluation.presses import make_press
-from sparsekv.models import load_model
+from sparsekv.models import DTYPES, load_model, placement
 from sparsekv.niah import build_needle_prompt
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
@@ -42,24 +54,43 @@ def step_seconds(model, cache, token: torch.Tensor) -> tuple[float, torch.Tensor
     """Wall time of one greedy one-token forward from `cache` (modified in place), and the next token."""
     start = time.perf_counter()
     token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    if token.is_cuda:
+        torch.cuda.synchronize(token.device)  # the step's kernels, not only their launches
     return time.perf_counter() - start, token
 
 
-def measure(model, tokenizer, ids, specs, ratio, steps, repeats) -> list[dict]:
-    """Median step (ms) of every press in `specs`, the oracle and the full cache on the prompts `ids`.
+def syncs_per_step(model, cache, token: torch.Tensor, press=None, steps: int = 4) -> float:
+    """Host-device synchronisations per one-token forward from `cache` (CUDA only): ops torch's sync debug mode
+    warns about (`.item()`, `bool(tensor)`, `nonzero`, copies to the host, ...), over `steps` steps."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                with press(model) if press is not None else contextlib.nullcontext():
+                    token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught) / steps
+
+
+def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = True, count_syncs: bool = False
+            ) -> list[dict]:
+    """Median step (ms) of every press in `specs`, the oracle and (`full`) the full cache on the prompts `ids`.
 
     Each press step is followed by an oracle step (from a copy of the oracle's cache), so the two see the same
-    machine load; a press's ratio is the median over these pairs of press step / oracle step.
+    machine load; a press's ratio is the median over these pairs of press step / oracle step. `count_syncs`
+    (CUDA): each configuration's host synchronisations per step, from a copy of its prefilled cache.
     """
     prefilled = {}
     for spec in tqdm(specs, desc=f"prefill, batch {ids.shape[0]}"):
         press = make_press(spec, ratio=ratio, tokenizer=tokenizer)
         with press(model):
-            out = model(ids, use_cache=True)
+            out = model(ids, use_cache=True, logits_to_keep=1)  # as generate: not the whole prompt's logits
         prefilled[spec] = press, out.cache, out.logits[:, -1:].argmax(-1)
     references = {}
-    for name, context in (("oracle", ids[:, -round(ratio * ids.shape[1]):]), ("full", ids)):
-        out = model(context, use_cache=True)
+    for name, context in (("oracle", ids[:, -round(ratio * ids.shape[1]):]), ("full", ids))[: 2 if full else 1]:
+        out = model(context, use_cache=True, logits_to_keep=1)
         references[name] = out.cache, out.logits[:, -1:].argmax(-1)
 
     times = {name: [] for name in [*specs, *references]}
@@ -75,11 +106,17 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats) -> list[dict]:
                 times[spec].append(1000 * seconds)
                 times["oracle"].append(1000 * reference)
                 pairs[spec].append(seconds / reference)
-        cache, token = copy.deepcopy(references["full"][0]), references["full"][1]
-        for _ in range(steps):
-            seconds, token = step_seconds(model, cache, token)
-            times["full"].append(1000 * seconds)
-    oracle, full = statistics.median(times["oracle"]), statistics.median(times["full"])
+        if full:
+            cache, token = copy.deepcopy(references["full"][0]), references["full"][1]
+            for _ in range(steps):
+                seconds, token = step_seconds(model, cache, token)
+                times["full"].append(1000 * seconds)
+    syncs = {}
+    if count_syncs:
+        for name, (press, cache, token) in {**prefilled, **{k: (None, *v) for k, v in references.items()}}.items():
+            syncs[name] = syncs_per_step(model, copy.deepcopy(cache), token, press)
+    oracle = statistics.median(times["oracle"])
+    full = statistics.median(times["full"]) if full else None
     batch = ids.shape[0]
     rows = []
     for name, v in times.items():
@@ -87,8 +124,8 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats) -> list[dict]:
         ratios = pairs.get(name)
         quartiles = statistics.quantiles(ratios, n=4) if ratios else None
         rows.append({"config": name, "batch": batch, "length": ids.shape[1], "ms": ms,
-                     "ratio": statistics.median(ratios) if ratios else ms / oracle, "speedup": full / ms,
-                     "tok_s": 1000 * batch / ms,
+                     "ratio": statistics.median(ratios) if ratios else ms / oracle,
+                     "speedup": full / ms if full else None, "tok_s": 1000 * batch / ms, "syncs": syncs.get(name),
                      "spread": f"{quartiles[0]:.3f}-{quartiles[2]:.3f}" if quartiles else ""})
     return rows
 
@@ -96,7 +133,17 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats) -> list[dict]:
 @torch.no_grad()
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or folder (default: %(default)s)")
+    parser.add_argument("--shape", choices=SHAPES, help="instead of --model: a model of this shape with random "
+                        "weights, built on --device (needs --tokenizer)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for --shape")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda (default: auto)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on a CPU")
+    parser.add_argument("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    parser.add_argument("--no-full", action="store_true", help="skip the full cache (large batches: it and its "
+                        "copy may not fit)")
+    parser.add_argument("--count-syncs", action="store_true", help="CUDA: host synchronisations per decoding step")
+    parser.add_argument("--json", metavar="FILE.json", help="write the rows and the environment")
     parser.add_argument("--length", type=int, default=8000, help="prompt tokens (default: 8000)")
     parser.add_argument("--presses", default="chunkkv,chunkkv:reuse_layers=1,snapkv",
                         help="comma-separated, with options as in `sparsekv bench` (default: %(default)s)")
@@ -115,18 +162,43 @@ def main():
         parser.error(f"--ratio: a fraction in (0, 1]; got {args.ratio}.")
     if args.steps < 1 or args.repeats < 1 or min(batches) < 1:
         parser.error("--steps, --repeats and --batch: at least 1.")
+    if args.shape and not args.tokenizer:
+        parser.error("--shape: give --tokenizer DIR (any tokenizer folder with a chat template).")
+    try:
+        device, dtype = placement(args.device, args.dtype)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.count_syncs and torch.device(device).type != "cuda":
+        parser.error("--count-syncs: CUDA only (torch's sync debug mode).")
 
-    model, tokenizer = load_model(args.model)
-    ids = needle_prompt(tokenizer, args.length)
+    if args.shape:
+        from transformers import AutoTokenizer
+
+        model, tokenizer = random_model(args.shape, device, dtype, args.attn_implementation), \
+            AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        model, tokenizer = load_model(args.model, dtype, args.attn_implementation, device_map=device)
+    name = f"{args.shape} (random weights)" if args.shape else args.model
+    ids = needle_prompt(tokenizer, args.length).to(model.device)
     rows = []
     for batch in batches:
         rows += measure(model, tokenizer, ids.expand(batch, -1), split_specs(args.presses), args.ratio, args.steps,
-                        args.repeats)
-    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}, {args.repeats} x {args.steps} steps "
-          f"paired with the oracle's; tok/s over the batch")
-    print(format_table(rows, [("config", "config", ""), ("batch", "batch", ""), ("decode ms/step", "ms", ".2f"),
-                              ("decode / oracle", "ratio", ".3f"), ("full / decode", "speedup", ".2f"),
-                              ("tok/s", "tok_s", ".1f"), ("ratio quartiles", "spread", "")]))
+                        args.repeats, full=not args.no_full, count_syncs=args.count_syncs)
+    env = environment(model.device)
+    print(f"{name}, {env['device_name']}, {str(dtype).removeprefix('torch.')}, {args.attn_implementation}, "
+          f"{args.length}-token prompt, ratio {args.ratio}, {args.repeats} x {args.steps} steps paired with the "
+          "oracle's; tok/s over the batch")
+    columns = [("config", "config", ""), ("batch", "batch", ""), ("decode ms/step", "ms", ".2f"),
+               ("decode / oracle", "ratio", ".3f"), ("full / decode", "speedup", ".2f"), ("tok/s", "tok_s", ".1f"),
+               ("ratio quartiles", "spread", "")]
+    if args.count_syncs:
+        columns.append(("host syncs/step", "syncs", ".1f"))
+    print(format_table(rows, columns))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, "length": args.length, "ratio": args.ratio, "steps": args.steps,
+                       "repeats": args.repeats, "dtype": str(dtype), "attn_implementation": args.attn_implementation,
+                       "environment": env, "rows": rows}, f, indent=1)
     if args.plot:
         print("plot:", plot_throughput(rows, args.plot, f"{args.model}, {args.length}-token prompts, ratio "
                                                         f"{args.ratio}: decoding throughput"))

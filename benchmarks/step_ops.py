@@ -7,6 +7,9 @@ model's own ops). The oracle is the full cache of the prompt's last `ratio * len
 
     PYTHONPATH=. python benchmarks/step_ops.py --presses snapkv,h2o,sentencekv
     PYTHONPATH=. python benchmarks/step_ops.py --presses sentencekv --lines 20
+
+`--host-reads` counts only the ops that bring a tensor's value to the host (`.item()`, `bool(t)`, `torch.equal`,
+`nonzero`, boolean-mask indexing, ...): each is a host-device synchronisation on a GPU, found here on a CPU.
 """
 
 from __future__ import annotations
@@ -25,14 +28,29 @@ from sparsekv.models import load_model
 from sparsekv.presses.registry import split_specs
 
 
-class OpsBySource(TorchDispatchMode):
-    """Counts dispatched ops by the innermost `sparsekv/` frame that issued them."""
+# Ops whose result needs a tensor's value on the host: on CUDA each waits for the device (a synchronisation).
+HOST_READS = {"_local_scalar_dense", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
+              "unique_consecutive", "repeat_interleave"}
 
-    def __init__(self):
+
+def reads_on_host(func, args) -> bool:
+    name = func.overloadpacket.__name__
+    if name in ("index", "index_put", "index_put_"):  # a boolean mask index is a nonzero inside
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None)
+    return name in HOST_READS
+
+
+class OpsBySource(TorchDispatchMode):
+    """Counts dispatched ops (`host_reads`: only those of `reads_on_host`) by the innermost `sparsekv/` frame
+    that issued them."""
+
+    def __init__(self, host_reads: bool = False):
         super().__init__()
-        self.counts = Counter()
+        self.counts, self.host_reads = Counter(), host_reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.host_reads and not reads_on_host(func, args):
+            return func(*args, **(kwargs or {}))
         frame, where = sys._getframe(1), "model"
         while frame is not None:
             name = frame.f_code.co_filename
@@ -45,14 +63,14 @@ class OpsBySource(TorchDispatchMode):
 
 
 @torch.no_grad()
-def count(model, ids: torch.Tensor, context, steps: int) -> Counter:
+def count(model, ids: torch.Tensor, context, steps: int, host_reads: bool = False) -> Counter:
     """Ops per step by source, over `steps` greedy steps after 3 warm-up steps, `ids` prefilled in `context`."""
     with context:
         out = model(ids, use_cache=True)
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         for _ in range(3):
             token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-        with OpsBySource() as ops:
+        with OpsBySource(host_reads) as ops:
             for _ in range(steps):
                 token = model(token, cache=cache).logits[:, -1:].argmax(-1)
     return Counter({k: v / steps for k, v in ops.counts.items()})
@@ -66,14 +84,19 @@ def main(argv=None):
     parser.add_argument("--ratio", type=float, default=0.1, help="fraction of the prompt's KV kept (default: 0.1)")
     parser.add_argument("--steps", type=int, default=5, help="decoding steps counted (default: 5)")
     parser.add_argument("--lines", type=int, default=12, help="busiest source lines shown per press (default: 12)")
+    parser.add_argument("--host-reads", action="store_true", help="count only ops that read a value on the host "
+                        "(host-device synchronisations on a GPU)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     ids = needle_prompt(tokenizer, args.length)
-    oracle = count(model, ids[:, -round(args.ratio * args.length):], contextlib.nullcontext(), args.steps)
-    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}: ops dispatched per decoding step")
+    oracle = count(model, ids[:, -round(args.ratio * args.length):], contextlib.nullcontext(), args.steps,
+                   args.host_reads)
+    what = "host reads (GPU synchronisations)" if args.host_reads else "ops dispatched"
+    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}: {what} per decoding step")
     print(f"oracle: {sum(oracle.values()):.0f}")
     for spec in split_specs(args.presses):
-        ops = count(model, ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer)(model), args.steps)
+        ops = count(model, ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer)(model), args.steps,
+                    args.host_reads)
         print(f"\n{spec}: {sum(ops.values()):.0f} ({sum(ops.values()) - sum(oracle.values()):+.0f} against the oracle)")
         for where, n in ops.most_common(args.lines):
             print(f"{n:8.1f}  {where}")

@@ -148,7 +148,21 @@ class SparseCache(RowState, Cache):
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
+        self._copies: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # see `on`
         self.state = press.new_state(self)
+
+    def on(self, name: str, device: torch.device | str) -> torch.Tensor:
+        """The row tensor `name` ("prompt_start", "prompt_lengths" or "budgets": CPU tensors, read on the host)
+        on `device`, copied there once per value and device: a decoding step then copies nothing to a GPU (a copy
+        from pageable host memory waits for the device, a synchronisation). A new value (a reordered batch, a
+        reset) is a new tensor, so its copy is made anew."""
+        source, device = getattr(self, name), torch.device(device)
+        if source.device == device:
+            return source
+        copy_ = self._copies.get((name, device))
+        if copy_ is None or copy_[0] is not source:
+            copy_ = self._copies[(name, device)] = (source, source.to(device))
+        return copy_[1]
 
     def __deepcopy__(self, memo):
         """A copy (e.g. to answer several questions from one compressed context) shares the press: it is

@@ -27,6 +27,21 @@ from transformers import (
 os.environ.setdefault("SPARSEKV_NOTEBOOK_FAST", "1")  # read by each notebook; the kernel inherits it
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="torch device the tiny models and their inputs are put on, e.g. cuda (default: cpu)")
+
+
+DEVICE = torch.device("cpu")  # set from --device before collection; read at call time, never copied
+
+
+def pytest_configure(config):
+    global DEVICE
+    DEVICE = torch.device(config.getoption("--device"))
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: CUDA is not available here.")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.suffix == ".ipynb":
@@ -78,7 +93,7 @@ def make_model(arch: str = "llama", impl: str = "sdpa", seed: int = 0, **overrid
         for name, p in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
                 p.mul_(4.0)
-    return model
+    return model.to(DEVICE)
 
 
 @pytest.fixture(params=[(a, i) for a in ARCHITECTURES for i in IMPLEMENTATIONS], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -89,7 +104,7 @@ def any_model(request):
 
 def prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch, length), generator=g)
+    return torch.randint(3, VOCAB, (batch, length), generator=g).to(DEVICE)
 
 
 def greedy(model, ids, mask=None, new=8, **kwargs):

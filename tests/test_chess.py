@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, make_model, make_tokenizer, prompt
+from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import CHESSPress, StoreLayer
 from sparsekv.presses.chess import PRESETS, uncertainty
@@ -38,8 +38,8 @@ def decode(model, ids, steps, mask=None):
 def test_page_vectors_equal_a_recomputation_after_many_steps(pre_rope, schedule):
     model = make_model("qwen2", "sdpa")
     n, steps = 75, 50  # pages fill and complete while decoding
-    ids = torch.zeros(2, n, dtype=torch.long)
-    mask = torch.zeros(2, n, dtype=torch.long)
+    ids = torch.zeros(2, n, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros(2, n, dtype=torch.long, device=DEVICE)
     ids[0], mask[0] = prompt(n)[0], 1
     ids[1, 20:], mask[1, 20:] = prompt(n - 20, seed=1)[0], 1
     projected = {}  # layer -> k_proj outputs of every forward: the keys before RoPE
@@ -202,12 +202,12 @@ def test_uncertainty_of_constructed_distributions():
 def test_reselection_happens_exactly_when_both_thresholds_are_crossed():
     model = make_model("llama", "sdpa")
     vocab = model.config.vocab_size
-    mixed = torch.zeros(1, 1, vocab)
+    mixed = torch.zeros(1, 1, vocab, device=DEVICE)
     mixed[..., 0] = torch.log(torch.tensor(vocab - 1.0))  # high entropy and high varentropy
     entropy, varentropy = (float(x) for x in uncertainty(mixed[0, 0]))
-    calm = torch.full((1, 1, vocab), -1e4)
+    calm = torch.full((1, 1, vocab), -1e4, device=DEVICE)
     calm[..., 5] = 0.0
-    uniform = torch.zeros(1, 1, vocab)  # high entropy, no varentropy
+    uniform = torch.zeros(1, 1, vocab, device=DEVICE)  # high entropy, no varentropy
     press = chess(preset="moderate", entropy_threshold=entropy - 0.01, varentropy_threshold=varentropy - 0.01)
     with press(model):
         cache = model(prompt(60)).cache
@@ -246,8 +246,8 @@ def test_a_continued_prompt_is_read_densely_and_selected_for_as_one_prompt(padde
     model = make_model("llama", "sdpa")
     press = chess(ratio=0.2, reselect="never")
     context, question = prompt(20 * B + 3, batch=2, seed=0), prompt(13, batch=2, seed=1)
-    n, token = context.shape[1], torch.tensor([[7], [9]])
-    mask = torch.ones(2, n + 1 + question.shape[1], dtype=torch.long)
+    n, token = context.shape[1], torch.tensor([[7], [9]], device=DEVICE)
+    mask = torch.ones(2, n + 1 + question.shape[1], dtype=torch.long, device=DEVICE)
     if padded:
         mask[1, :7] = 0
     whole = torch.cat([context, question], dim=1)
@@ -273,7 +273,7 @@ def test_a_continued_prompt_is_read_densely_and_selected_for_as_one_prompt(padde
         continued = model(question, cache=cache, attention_mask=mask).logits
         assert cache.counts["selections"] == 4
         # A draft being verified (generate asks for the logits of all its tokens) is decoding, not a prompt.
-        draft = torch.cat([mask, torch.ones(2, 4, dtype=torch.long)], dim=1)
+        draft = torch.cat([mask, torch.ones(2, 4, dtype=torch.long, device=DEVICE)], dim=1)
         model(question[:, :4], cache=cache, attention_mask=draft, logits_to_keep=4)
         assert cache.counts["selections"] == 4 and all(layer.compressed for layer in chess_layers(cache))
     torch.testing.assert_close(continued, reference, rtol=1e-4, atol=1e-4)
@@ -282,8 +282,8 @@ def test_a_continued_prompt_is_read_densely_and_selected_for_as_one_prompt(padde
 def test_batch_rows_select_independently_with_padding():
     model = make_model("qwen3", "sdpa")
     rows = [prompt(60, seed=3)[0], prompt(100, seed=4)[0]]
-    ids = torch.zeros(2, 100, dtype=torch.long)
-    mask = torch.zeros(2, 100, dtype=torch.long)
+    ids = torch.zeros(2, 100, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros(2, 100, dtype=torch.long, device=DEVICE)
     for i, row in enumerate(rows):
         ids[i, 100 - len(row):], mask[i, 100 - len(row):] = row, 1
     with chess(preset="aggressive", reselect="always")(model):
@@ -298,7 +298,7 @@ def test_calibrate_sets_the_percentiles():
     press = chess(preset="aggressive")
     assert press.calibrate(model, tok, texts, percentile=90) is press
     with torch.no_grad():
-        entropy, varentropy = zip(*(uncertainty(model(tok(t, return_tensors="pt").input_ids).logits[0])
+        entropy, varentropy = zip(*(uncertainty(model(tok(t, return_tensors="pt").input_ids.to(DEVICE)).logits[0])
                                     for t in texts))
     assert press.entropy_threshold == pytest.approx(float(torch.cat(entropy).quantile(0.9)), rel=1e-5)
     assert press.varentropy_threshold == pytest.approx(float(torch.cat(varentropy).quantile(0.9)), rel=1e-5)

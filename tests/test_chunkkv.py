@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_model, prompt
+from conftest import DEVICE, make_model, prompt
 
 from sparsekv import ChunkKVPress, ChunkPress, KVLayer, SnapKVPress, SparseCache
 from sparsekv.presses.chunkkv import ChunkState
@@ -99,8 +99,8 @@ def test_groups_follow_compressed_layers_only():
 def test_batch_rows_choose_their_own_chunks():
     model = make_model("llama")
     rows = [prompt(70, seed=5)[0], prompt(100, seed=6)[0]]
-    ids = torch.zeros(2, 100, dtype=torch.long)
-    mask = torch.zeros(2, 100, dtype=torch.long)
+    ids = torch.zeros(2, 100, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros(2, 100, dtype=torch.long, device=DEVICE)
     for i, row in enumerate(rows):
         ids[i, 100 - len(row) :], mask[i, 100 - len(row) :] = row, 1
     press = ChunkPress(ratio=0.4, window_size=8, chunk_size=7)

@@ -8,7 +8,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ARCHITECTURES, greedy, make_model, make_tokenizer, prompt
+from conftest import ARCHITECTURES, DEVICE, greedy, make_model, make_tokenizer, prompt
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from sparsekv import (
@@ -207,8 +207,8 @@ def test_press_is_reusable_and_stateless():
 def test_batch_with_left_padding_equals_row_by_row(arch, impl, name):
     model = make_model(arch, impl)
     rows = [prompt(50, seed=3)[0], prompt(80, seed=4)[0]]
-    ids = torch.zeros(2, 80, dtype=torch.long)
-    mask = torch.zeros(2, 80, dtype=torch.long)
+    ids = torch.zeros(2, 80, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros(2, 80, dtype=torch.long, device=DEVICE)
     for i, row in enumerate(rows):
         ids[i, 80 - len(row) :] = row
         mask[i, 80 - len(row) :] = 1
@@ -231,16 +231,16 @@ def test_absolute_positions_kept(arch, impl, new):
     follow = prompt(new, seed=9)
     with StreamingLLMPress(budget=budget, n_sinks=sinks)(model):
         cache = model(ids).cache
-        kept = torch.cat([torch.arange(sinks), torch.arange(64 - (budget - sinks), 64)])
+        kept = torch.cat([torch.arange(sinks), torch.arange(64 - (budget - sinks), 64)]).to(DEVICE)
         for layer in compressed_layers(cache):
             assert torch.equal(layer.positions.sort(-1).values, kept.expand(1, 2, budget))
-        compressed = model(follow, cache=cache, attention_mask=torch.ones(1, 64 + new)).logits
+        compressed = model(follow, cache=cache, attention_mask=torch.ones(1, 64 + new, device=DEVICE)).logits
     full = model(ids).cache
-    mask = torch.zeros(1, 1, new, 64 + new, dtype=torch.bool)
+    mask = torch.zeros(1, 1, new, 64 + new, dtype=torch.bool, device=DEVICE)
     mask[..., kept] = True
-    mask[..., 64:] = torch.ones(new, new, dtype=torch.bool).tril()
+    mask[..., 64:] = torch.ones(new, new, dtype=torch.bool, device=DEVICE).tril()
     if impl == "eager":
-        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        mask = torch.zeros(mask.shape, device=DEVICE).masked_fill(~mask, torch.finfo(torch.float32).min)
     reference = model(follow, cache=full, attention_mask=mask).logits
     torch.testing.assert_close(compressed, reference, rtol=1e-4, atol=1e-4)
 
@@ -256,7 +256,7 @@ def test_a_custom_scorer_press_as_in_the_readme():
             return -layer.keys.norm(dim=-1)
 
     model = make_model("llama")
-    ids = (torch.randperm(250, generator=torch.Generator().manual_seed(0))[:40] + 3)[None]  # distinct: no ties
+    ids = (torch.randperm(250, generator=torch.Generator().manual_seed(0))[:40] + 3)[None].to(DEVICE)  # no ties
     full = model(ids).cache
     with KeyNormPress(budget=10)(model):
         cache = model(ids).cache
@@ -281,7 +281,7 @@ def test_never_over_budget_across_long_decode(name):
 
 def left_padded(lengths: tuple[int, ...], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of `lengths` tokens (seeds 0, 1, ...) left-padded to `width`, and their attention mask."""
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long, device=DEVICE)
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
         ids[i, width - n:], mask[i, width - n:] = prompt(n, seed=i)[0], 1
@@ -299,6 +299,7 @@ def test_streaming_llm_rolls_every_row_of_a_padded_batch_past_a_full_turn():
     for i, n in enumerate(lengths):
         budget, start, end = round(0.4 * n), 50 - n, 50 + steps
         expected = torch.cat([torch.arange(start, start + sinks), torch.arange(end - (budget - sinks), end)])
+        expected = expected.to(DEVICE)
         for layer in compressed_layers(out.cache):
             real = layer.positions[i][:, layer.valid[i]]
             assert torch.equal(real.sort(-1).values, expected.expand(2, -1)), (i, real)
@@ -341,8 +342,8 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
 
     model = make_model(arch)
     module = model.model.layers[0].self_attn
-    positions = torch.tensor([[5], [77]])
-    hidden = torch.randn(2, 1, model.config.hidden_size)
+    positions = torch.tensor([[5], [77]], device=DEVICE)
+    hidden = torch.randn(2, 1, model.config.hidden_size, device=DEVICE)
     cos_sin = model.model.rotary_emb(hidden, positions)
     projected = module.q_proj(hidden)
     matrix = rope_matrix(cos_sin, module.head_dim)
@@ -362,7 +363,8 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     phi3 = make_model("phi3")
     half = phi3.model.rotary_emb(hidden, positions)
     assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None
-    assert rope_matrix(model.model.rotary_emb(hidden.expand(2, 3, -1), torch.arange(3)[None]), module.head_dim) is None
+    shared = model.model.rotary_emb(hidden.expand(2, 3, -1), torch.arange(3, device=DEVICE)[None])
+    assert rope_matrix(shared, module.head_dim) is None
 
 
 def test_h2o_eager_weights_and_sdpa_recompute_agree():
@@ -454,7 +456,7 @@ def test_stats_report_logical_resident_attended_and_bytes():
     assert stats.resident_tokens == [30] * 3  # the largest row budget; row 0 holds 10 filler slots
     assert stats.attended_tokens == [25.0] * 3  # (20 + 30) / 2
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    assert stats.kv_bytes == kv and stats.bytes_by_device["cpu"] > kv
+    assert stats.kv_bytes == kv and stats.bytes_by_device[str(cache.layers[0].keys.device)] > kv
     assert stats.seconds["compress"] > 0
 
 
@@ -480,7 +482,7 @@ def test_prompt_kept_marks_what_attention_reads():
     expected[:4] = expected[-8:] = True  # the sinks and the most recent tokens
     assert sorted(kept) == [0, 1, 2]
     for mask in kept.values():
-        assert mask.shape == (1, 2, 40) and bool((mask == expected).all())
+        assert mask.shape == (1, 2, 40) and bool((mask.cpu() == expected).all())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3"])
@@ -524,3 +526,18 @@ def test_decoding_queries_are_the_layers_own_projection_not_a_second_one(arch):
         by_group = queries.view(b, kv_heads, h_q // kv_heads, n, d).sum(2)
         torch.testing.assert_close(call.queries(grouped=True), by_group)
     assert sorted({n for *_, n in seen}) == [40, 41, 42]  # before attention: the step's token not yet cached
+
+
+def test_row_tensors_are_copied_to_a_device_once_per_value():
+    """`SparseCache.on`: the CPU row tensors a step reads on another device are copied there once (a decoding step
+    copies nothing to a GPU), and anew when the value changes (a reordered batch); on their own device, as is."""
+    model = make_model("llama")
+    with StreamingLLMPress(budget=20, n_sinks=4)(model):
+        cache = model(prompt(40, batch=2)).cache
+    meta = torch.device("meta")  # another device on any machine
+    first = cache.on("prompt_start", meta)
+    assert first.device == meta and first.shape == (2,) and cache.on("prompt_start", meta) is first
+    assert cache.on("prompt_start", cache.prompt_start.device) is cache.prompt_start
+    cache.reorder_cache(torch.tensor([1, 0], device=DEVICE))
+    again = cache.on("prompt_start", meta)
+    assert again is not first and again.device == meta and cache.on("prompt_start", meta) is again

@@ -70,7 +70,7 @@ def teacher_forced_logprob(model, ids, mask, new_tokens) -> torch.Tensor:
     """Sum of log-probs of `new_tokens` `(rows, n)` after the prompt, fed one by one (inside the press)."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(ids, attention_mask=mask, position_ids=positions)
-    total = torch.zeros(ids.shape[0], dtype=torch.float64)
+    total = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
     for t in range(new_tokens.shape[1]):
         token = new_tokens[:, t : t + 1]
         total += out.logits[:, -1].double().log_softmax(-1).gather(-1, token)[:, 0]
@@ -280,8 +280,8 @@ def test_query_time_selection_may_not_change_the_layout():
         reads_step_queries: ClassVar[bool] = True
 
         def on_queries(self, cache, layer, call):
-            layer.select(torch.zeros(*layer.positions.shape[:2], 3, dtype=torch.long),
-                         torch.ones(layer.valid.shape[0], 3, dtype=torch.bool))
+            layer.select(torch.zeros(*layer.positions.shape[:2], 3, dtype=torch.long, device=layer.positions.device),
+                         torch.ones(layer.valid.shape[0], 3, dtype=torch.bool, device=layer.valid.device))
 
     model = make_model("llama")
     with Shrinks(ratio=0.5, window_size=8)(model), pytest.raises(RuntimeError, match="after its mask was built"):

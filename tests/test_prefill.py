@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, make_model, make_tokenizer, prompt
+from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from sparsekv.prefill import Prefill
@@ -16,8 +16,8 @@ PRESSES = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), Streaming
 
 def padded(rows):
     n = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), n, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    ids = torch.zeros(len(rows), n, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros(len(rows), n, dtype=torch.long, device=DEVICE)
     for i, row in enumerate(rows):
         ids[i, n - len(row):] = row
         mask[i, n - len(row):] = 1

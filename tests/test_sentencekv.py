@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import greedy, make_model, make_tokenizer, prompt
+from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.attention import project_queries, rotate
@@ -182,7 +182,7 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
     text = " ".join(["The cat sat on the mat near the door.", "A dog ran far away!"] * 3)
     open_ids, ended = (tok(text + end, return_tensors="pt").input_ids for end in (" The number is", " Done."))
     pad = open_ids.shape[1] - ended.shape[1]
-    batch = torch.cat([open_ids, torch.cat([torch.zeros(1, pad, dtype=torch.long), ended], dim=1)])
+    batch = torch.cat([open_ids, torch.cat([torch.zeros(1, pad, dtype=torch.long), ended], dim=1)]).to(DEVICE)
     mask = torch.ones_like(batch)
     mask[1, :pad] = 0
     sentences = sentence_ids(tok, open_ids)[0]
@@ -219,8 +219,9 @@ def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
                 positions = layer.positions[row, head, :fill]
                 slot = (layer.store_positions[row][None] == positions[:, None]).float().argmax(-1)
                 assert torch.equal(layer.store_positions[row, slot], positions)  # a stored token, no placeholder
-                assert torch.equal(layer.keys[row, head, :fill], layer.store_keys[row, head, slot])
-                assert torch.equal(layer.values[row, head, :fill], layer.store_values[row, head, slot])
+                slot = slot.to(layer.store_keys.device)  # the store may be offloaded (SentencePress's default)
+                assert torch.equal(layer.keys[row, head, :fill].cpu(), layer.store_keys[row, head, slot].cpu())
+                assert torch.equal(layer.values[row, head, :fill].cpu(), layer.store_values[row, head, slot].cpu())
 
 
 @pytest.mark.parametrize("centre,vector", [(True, "mean"), (False, "mean"), (True, "bounds")])
@@ -233,7 +234,7 @@ def test_sentence_vectors_come_from_the_kept_keys_relative_to_the_prompt_mean(ce
     tok.padding_side = "left"
     lines = ["The cat sat on the mat.", "A dog ran far away!", "Is it raining?", "We left at noon."]
     batch = tok([" ".join(lines * 4), " ".join(lines[::-1] * 3)], return_tensors="pt", padding=True)
-    ids, mask = batch.input_ids, batch.attention_mask
+    ids, mask = batch.input_ids.to(DEVICE), batch.attention_mask.to(DEVICE)
     assert not mask[1, 0]  # the second row is left-padded
     with attention_inputs(model) as inputs, press(budget=30, centre=centre, sentence_vector=vector)(model), \
             torch.no_grad():

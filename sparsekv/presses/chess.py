@@ -236,7 +236,7 @@ class CHESSPress(Press):
         their (cos, sin)) to their pages' sums; `end` defaults to every token seen."""
         state, end = cache.state, layer.logical_len if end is None else end
         b, h, _, d = layer.store_keys.shape
-        first = cache.prompt_start.to(layer.device)[:, None]
+        first = cache.on("prompt_start", layer.device)[:, None]
         pages = -(-(end - int(first.min())) // self.page_size)
         if state.page_sums is None or pages > state.page_sums.shape[1]:
             grown = torch.zeros(b, pages + 64, len(state.columns) * h * d, device=layer.device)
@@ -276,7 +276,7 @@ class CHESSPress(Press):
             cos, sin = (torch.cat(parts, dim=1) for parts in zip(*state.rope))
             state.rope = [(cos[:, : length - state.summed], sin[:, : length - state.summed])]
         if state.plan is not None:
-            start = cache.prompt_start.to(state.plan[0].device)
+            start = cache.on("prompt_start", state.plan[0].device)
             state.plan = self.working_context(state.selected, length - start, start)
 
     # --- selection (Algorithm 1) and the working context ---------------------------------------------------------
@@ -286,7 +286,7 @@ class CHESSPress(Press):
             return
         start = time.perf_counter()
         layer = cache.layers[next(iter(state.columns))]
-        lengths = layer.logical_len - cache.prompt_start.to(layer.device)  # real tokens per row
+        lengths = layer.logical_len - cache.on("prompt_start", layer.device)  # real tokens per row
         complete = lengths.div(self.page_size, rounding_mode="floor")
         continued = cache.forward is not None and cache.forward.continues_prompt
         if state.selected is None or continued:  # a prompt, the first or a continued one
@@ -301,7 +301,7 @@ class CHESSPress(Press):
                 trigger[:, None], fresh, pad_pages(state.selected, fresh.shape[1]))
             cache.counts["selections"] += int(trigger.sum())
         if bool(trigger.any()) or not torch.equal(complete, state.built_at):
-            state.plan = self.working_context(state.selected, lengths, cache.prompt_start)
+            state.plan = self.working_context(state.selected, lengths, cache.on("prompt_start", lengths.device))
             state.built_at = complete
             cache.counts["rebuilds"] += 1
         cache.seconds["select"] += time.perf_counter() - start
@@ -396,7 +396,8 @@ class CHESSPress(Press):
             # Before transformers builds this forward's mask, which then sees every layer's store layout.
             forward.plan = None
             layer = cache.layers[next(iter(state.columns))]
-            valid = torch.arange(layer.logical_len, device=layer.device) >= cache.prompt_start.to(layer.device)[:, None]
+            start = cache.on("prompt_start", layer.device)[:, None]
+            valid = torch.arange(layer.logical_len, device=layer.device) >= start
             for i in state.columns:
                 cache.layers[i].read_store(valid)
 

@@ -44,9 +44,10 @@ class H2OPress(Press):
         self.block_size = check_number("H2OPress", "block_size", self.block_size, integer=True, low=1,
                                        unit="queries")
 
-    def recent_start(self, cache: SparseCache, length: int) -> torch.Tensor:
-        """`(batch, 1, 1)` first position of each row's recent window once `length` tokens are seen."""
-        recent = (cache.budgets.double() * self.recent_ratio).round().long()
+    def recent_start(self, cache: SparseCache, length: int, device: torch.device) -> torch.Tensor:
+        """`(batch, 1, 1)` first position of each row's recent window once `length` tokens are seen, on `device`
+        (computed there: nothing is copied to it while decoding)."""
+        recent = (cache.on("budgets", device).double() * self.recent_ratio).round().long()
         return (length - recent)[:, None, None]
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
@@ -54,7 +55,7 @@ class H2OPress(Press):
         the same tokens), and the list of layers whose eviction waits for the last one (`after_step`)."""
         layers = cache.compressed_layers()
         if cache.budgets is not None and layers:
-            start = self.recent_start(cache, layers[0].logical_len + forward.q_len).to(layers[0].device)
+            start = self.recent_start(cache, layers[0].logical_len + forward.q_len, layers[0].device)
             forward.plan = _Step(start, int(cache.budgets.max()), layers[-1])
 
     @staticmethod
@@ -69,7 +70,7 @@ class H2OPress(Press):
     def layer_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """One layer's scores: the recent window is the step's (planned), or at the prompt the prompt's."""
         plan = cache.forward.plan
-        start = plan.start if plan is not None else self.recent_start(cache, layer.logical_len)
+        start = plan.start if plan is not None else self.recent_start(cache, layer.logical_len, layer.device)
         return self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, start.to(layer.device))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:

@@ -173,7 +173,7 @@ class SentencePress(SnapKVPress):
             return
         b, h, n, _ = layer.keys.shape
         device = layer.keys.device
-        start = cache.prompt_start.to(device)[:, None]
+        start = cache.on("prompt_start", device)[:, None]
         index = torch.arange(n, device=device)
         valid = call.valid()
         resident = ((index >= start) & (index < start + self.n_sinks)) | (index >= n - self.window_size)

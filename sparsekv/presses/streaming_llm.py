@@ -36,7 +36,7 @@ class StreamingLLMPress(Press):
 
     def recency(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Newer is higher; sinks (each row's first real tokens) and filler slots are never evicted."""
-        start = cache.prompt_start.to(layer.positions.device)[:, None, None]
+        start = cache.on("prompt_start", layer.positions.device)[:, None, None]
         sink = layer.positions < start + self.n_sinks
         return layer.positions.float().masked_fill(sink, float("inf"))
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One GPU session's runs (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA,
+# decode steps against the oracle on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens,
+# batch 1 and 8, with host synchronisations counted; `sparsekv bench` rows (prefill, GPU memory, KV bytes) at
+# 32k; then 128k if time is left; a profile of a step per press. Logs go to $OUT (default: gpu-results/).
+#
+#   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # steps: all by default, in this order
+#
+# On a machine without sparsekv's requirements, install them first (the wheels of transformers >= 5.24, nltk).
+set -u
+TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
+DEADLINE=$(( $(date +%s) + ${2:-540} ))
+shift $(( $# < 2 ? $# : 2 ))
+STEPS=" ${*:-tests decode32k_b1 decode32k_b8 bench32k decode128k_b1 profile32k} "
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+
+# run NAME CAP COMMAND...: COMMAND under a timeout of CAP seconds or what is left before the deadline
+run() {
+  local name=$1 cap=$2 left=$(( DEADLINE - $(date +%s) - 5 ))
+  shift 2
+  [[ $STEPS == *" $name "* ]] || return 0
+  (( left < 20 )) && { echo "== $name: skipped, ${left}s left"; return; }
+  (( cap > left )) && cap=$left
+  echo "== $name (at most ${cap}s): $*"
+  local start=$(date +%s)
+  timeout "$cap" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? after $(( $(date +%s) - start ))s"
+  tail -n 40 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+run tests 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --device cuda \
+  tests/test_devices.py tests/test_core.py tests/test_generate_modes.py tests/test_chess.py \
+  tests/test_sentencekv.py tests/test_chunkkv.py tests/test_prefill.py tests/test_errors.py tests/test_registry.py
+
+SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
+run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
+  --repeats 3 --count-syncs --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/decode32k_b1.json"
+run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
+  --repeats 2 --no-full --presses snapkv,streamingllm,chunkkv --json "$OUT/decode32k_b8.json"
+run bench32k 100 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 32 \
+  --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/bench32k.json"
+run decode128k_b1 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 131000 --batch 1 --steps 16 \
+  --repeats 2 --presses snapkv,streamingllm --json "$OUT/decode128k_b1.json"
+run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
+  --presses snapkv,streamingllm,chunkkv,h2o
+echo "== done, $(( DEADLINE - $(date +%s) ))s before the deadline"

@@ -1,0 +1,105 @@
+"""Where a decoding step's time goes, per press against the oracle: wall time, the device's busy time and the
+kernels launched per step (torch.profiler), and the ops that cost the most host and device time.
+
+A step the device spends mostly idle is bound by the host (Python and kernel launches): there a press's extra
+ops cost their launch, not their arithmetic, and only fewer ops make it faster.
+
+    PYTHONPATH=. python benchmarks/profile_step.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \\
+        --length 32768 --presses snapkv,streamingllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+from decode_vs_oracle import needle_prompt
+from random_models import SHAPES, random_model
+from torch.profiler import ProfilerActivity, profile
+
+from sparsekv.evaluation.presses import make_press
+from sparsekv.models import DTYPES, load_model, placement
+from sparsekv.presses.registry import split_specs
+from sparsekv.table import format_table
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int) -> tuple[dict, str]:
+    """Prefill `ids` in `context`, warm up 3 steps, then time and profile `steps` greedy steps."""
+    cuda = ids.is_cuda
+    with context:
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        sync(ids.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        sync(ids.device)
+        wall = (time.perf_counter() - start) * 1000 / steps
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+            sync(ids.device)
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    row = {"wall_ms": wall, "ops": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+           "kernels": len(kernels) / steps,
+           "device_ms": sum(e.device_time for e in kernels) / 1000 / steps if cuda else None}
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return row, events.table(sort_by=sort, row_limit=top) + "\n" + events.table(sort_by="cpu_time_total", row_limit=top)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="alias, .gguf file or folder (default: %(default)s)")
+    add("--shape", choices=SHAPES, help="instead of --model: random weights of this shape (needs --tokenizer)")
+    add("--tokenizer", metavar="DIR", help="tokenizer folder for --shape")
+    add("--device", default="auto")
+    add("--dtype", choices=DTYPES, default="auto")
+    add("--length", type=int, default=8192, help="prompt tokens (default: %(default)s)")
+    add("--batch", type=int, default=1, help="copies of the prompt (default: %(default)s)")
+    add("--presses", default="snapkv,streamingllm", help="(default: %(default)s)")
+    add("--ratio", type=float, default=0.1, help="(default: %(default)s)")
+    add("--steps", type=int, default=8, help="steps timed and profiled (default: %(default)s)")
+    add("--top", type=int, default=12, help="ops listed per configuration (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.shape and not args.tokenizer:
+        parser.error("--shape: give --tokenizer DIR.")
+    try:
+        device, dtype = placement(args.device, args.dtype)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.shape:
+        from transformers import AutoTokenizer
+
+        model, tokenizer = random_model(args.shape, device, dtype), AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        model, tokenizer = load_model(args.model, dtype, device_map=device)
+    ids = needle_prompt(tokenizer, args.length).to(model.device).expand(args.batch, -1)
+    configs = {"oracle": (ids[:, -round(args.ratio * args.length):], contextlib.nullcontext())}
+    for spec in split_specs(args.presses):
+        configs[spec] = (ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer)(model))
+    rows = []
+    for name, (prompt, context) in configs.items():
+        row, tables = profile_steps(model, prompt, context, args.steps, args.top)
+        rows.append({"config": name, **row})
+        print(f"\n== {name}\n{tables}")
+    print(f"\n{args.shape or args.model}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}: per step")
+    print(format_table(rows, [("config", "config", ""), ("wall ms", "wall_ms", ".2f"),
+                              ("device busy ms", "device_ms", ".2f"), ("aten ops", "ops", ".0f"),
+                              ("kernels", "kernels", ".0f")]))
+
+
+if __name__ == "__main__":
+    main()

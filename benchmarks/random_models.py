@@ -1,0 +1,46 @@
+"""Models of real shapes with random weights, built from configs on the device: speed and memory do not depend on
+the weights' values, and a GPU machine without the Hub cannot download them.
+
+    from random_models import random_model
+    model = random_model("llama-3.1-8b", "cuda", torch.bfloat16)  # 8.0B parameters, built on the GPU
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+# The published configs' shapes (config.json of each model on the Hub), rope included: its scaling changes the
+# step's work only through the rotary embedding, but a 128k prompt needs Llama 3.1's context.
+SHAPES = {
+    "llama-3.1-8b": lambda: LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "qwen2.5-0.5b": lambda: Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "smollm2-135m": lambda: LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+}
+
+
+def random_model(shape: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:
+    """A model of `shape` (a key of `SHAPES`) with the config's random initialisation, built directly on `device`
+    in `dtype` (no full-precision copy on the host), in eval mode."""
+    if shape not in SHAPES:
+        raise ValueError(f"--shape: one of {', '.join(SHAPES)}; got {shape!r}.")
+    config = SHAPES[shape]()
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval()
