@@ -153,7 +153,12 @@ def main():
     parser.add_argument("--batch", default="1", help="copies of the prompt decoded together, comma-separated "
                                                      "batch sizes (default: 1)")
     parser.add_argument("--plot", metavar="FILE.png", help="write tokens/s against batch size (several --batch)")
+    parser.add_argument("--cudnn-sdpa", action="store_true",
+                        help="let sdpa pick cuDNN attention (off by default: torch 2.11 rebuilds its plan for "
+                        "every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
     args = parser.parse_args()
+    if not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:

@@ -73,7 +73,12 @@ def main(argv=None) -> None:
     add("--ratio", type=float, default=0.1, help="(default: %(default)s)")
     add("--steps", type=int, default=8, help="steps timed and profiled (default: %(default)s)")
     add("--top", type=int, default=12, help="ops listed per configuration (default: %(default)s)")
+    parser.add_argument("--cudnn-sdpa", action="store_true",
+                        help="let sdpa pick cuDNN attention (off by default: torch 2.11 rebuilds its plan for "
+                        "every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
     args = parser.parse_args(argv)
+    if not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.shape and not args.tokenizer:
         parser.error("--shape: give --tokenizer DIR.")
     try:

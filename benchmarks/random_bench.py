@@ -42,7 +42,12 @@ def main(argv=None) -> None:
     add("--max-batch", type=int, default=64, help="largest batch --memory-budget tries (default: %(default)s)")
     add("--json", metavar="FILE.json")
     add("--plot", metavar="FILE.png")
+    parser.add_argument("--cudnn-sdpa", action="store_true",
+                        help="let sdpa pick cuDNN attention (off by default: torch 2.11 rebuilds its plan for "
+                        "every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
     args = parser.parse_args(argv)
+    if not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         device, dtype = placement(args.device, args.dtype)
         lengths = [int(n) for n in args.lengths.split(",")]

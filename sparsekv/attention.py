@@ -97,8 +97,9 @@ def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: tor
     b, h_q, n_q, d = queries.shape
     h_kv = keys.shape[1]
     q = as_float(queries.reshape(b * h_kv, h_q // h_kv * n_q, d))
-    # Batch and heads as one batch dimension: a plain batched product (a view of a cache buffer's keys).
-    logits = (q @ as_float(keys).flatten(0, 1).transpose(1, 2)).view(b, h_kv, h_q // h_kv, n_q, -1)
+    # Batch and heads as one batch dimension: a plain batched product (a view of a cache buffer's keys); `bmm`,
+    # not `@`, whose broadcasting rules dispatch five more ops (a step's cost on a CPU is its op count).
+    logits = torch.bmm(q, as_float(keys).flatten(0, 1).transpose(1, 2)).view(b, h_kv, h_q // h_kv, n_q, -1)
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap

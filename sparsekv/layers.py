@@ -101,15 +101,18 @@ class KVLayer(RowState, CacheLayerMixin):
             if self.fills_victim(q, valid, key_states.requires_grad):
                 return self._replace_victim(key_states, value_states)
             self.settle()
-        new_pos = torch.arange(self.logical_len, self.logical_len + q, device=self.device)
-        valid = self._new_valid(valid, b, q)
         self._append("_keys", key_states)
         self._append("_values", value_states)
-        self._append("_positions", new_pos.expand(b, h, q))
-        self._append("_valid", valid)
+        if q == 1 and valid is None:  # a decoding step: scalars written into the new slot, no tensors to make
+            self._append("_positions", self.logical_len)
+            self._append("_valid", True)
+        else:
+            self._append("_positions", torch.arange(self.logical_len, self.logical_len + q,
+                                                    device=self.device).expand(b, h, q))
+            self._append("_valid", self._new_valid(valid, b, q))
         extra = self._extra
         for name in extra:
-            self._append(name, extra[name].new_zeros(b, h, q), extra)
+            self._append(name, 0 if q == 1 else extra[name].new_zeros(b, h, q), extra)
         self.logical_len += q
         return self._keys, self._values
 
@@ -123,9 +126,11 @@ class KVLayer(RowState, CacheLayerMixin):
                         value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoding step after an eviction: its token (real in every row) takes the victim's slot."""
         victim, self.pending = self.pending[..., None], None
-        d = self._keys.shape[-1]
-        self._keys.scatter_(2, victim[..., None].expand(*victim.shape, d), key_states)
-        self._values.scatter_(2, victim[..., None].expand(*victim.shape, value_states.shape[-1]), value_states)
+        index = victim[..., None].expand(*victim.shape, key_states.shape[-1])
+        self._keys.scatter_(2, index, key_states)
+        if value_states.shape[-1] != key_states.shape[-1]:  # (models with other value widths)
+            index = victim[..., None].expand(*victim.shape, value_states.shape[-1])
+        self._values.scatter_(2, index, value_states)
         self._positions.scatter_(-1, victim, self.logical_len)
         for t in self._extra.values():
             t.scatter_(-1, victim, 0)
@@ -139,8 +144,9 @@ class KVLayer(RowState, CacheLayerMixin):
         self.all_valid = self.all_valid and bool(valid.all())
         return valid
 
-    def _append(self, name: str, new: torch.Tensor, where: dict | None = None) -> None:
-        """Append `new` along the slot dimension of the tensor `name` (an attribute, or a key of `where`).
+    def _append(self, name: str, new: torch.Tensor | int | bool, where: dict | None = None) -> None:
+        """Append `new` along the slot dimension of the tensor `name` (an attribute, or a key of `where`); a
+        Python scalar is one new slot holding that value.
 
         New slots are written in place into the free room behind the tensor when it has some; else (prompt, or
         after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
@@ -149,7 +155,9 @@ class KVLayer(RowState, CacheLayerMixin):
         holder = self.__dict__ if where is None else where
         current = holder[name]
         dim = slot_dim(current)
-        if new.requires_grad or current.requires_grad:  # a differentiable forward: no in-place writes
+        if getattr(new, "requires_grad", False) or current.requires_grad:  # differentiable: no in-place writes
+            if not isinstance(new, torch.Tensor):
+                new = current.new_full((*current.shape[:dim], 1, *current.shape[dim + 1:]), new)
             holder[name] = torch.cat([current, new], dim=dim)
             return
         if torch.is_grad_enabled():  # the buffer may be a view made by press work (under no_grad)
@@ -443,10 +451,10 @@ def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:
     return t.new_empty(0).set_(t.untyped_storage(), 0, shape, strides)
 
 
-def append_in_place(current: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+def append_in_place(current: torch.Tensor, new: torch.Tensor | int | bool, dim: int) -> torch.Tensor:
     """`current` and `new` joined along `dim`: written into the room behind `current`, or into a new buffer with
-    `GROW` free slots when it has none."""
-    n, q = current.shape[dim], new.shape[dim]
+    `GROW` free slots when it has none. A Python scalar `new` is one slot of that value (filled, not copied)."""
+    n, q = current.shape[dim], new.shape[dim] if isinstance(new, torch.Tensor) else 1
     room = current._base  # a decoding step: the view of a buffer made by the last append (or an eviction)
     if room is None or room.shape[dim] < n + q or not is_prefix(current, room, dim):
         room = buffer_of(current, n + q)
@@ -455,7 +463,11 @@ def append_in_place(current: torch.Tensor, new: torch.Tensor, dim: int) -> torch
         shape[dim] = n + q + GROW
         room = current.new_empty(shape)
         room.narrow(dim, 0, n).copy_(current)
-    room.narrow(dim, n, q).copy_(new)
+    slots = room.narrow(dim, n, q)
+    if isinstance(new, torch.Tensor):
+        slots.copy_(new)
+    else:
+        slots.fill_(new)
     return room.narrow(dim, 0, n + q)
 
 
