@@ -131,7 +131,7 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
 
 
 @torch.no_grad()
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or folder (default: %(default)s)")
     parser.add_argument("--shape", choices=SHAPES, help="instead of --model: a model of this shape with random "
@@ -156,7 +156,7 @@ def main():
     parser.add_argument("--cudnn-sdpa", action="store_true",
                         help="let sdpa pick cuDNN attention (off by default: torch 2.11 rebuilds its plan for "
                         "every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not args.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     try:

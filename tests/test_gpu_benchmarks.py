@@ -1,0 +1,67 @@
+"""The GPU benchmark scripts (benchmarks/, docs/gpu.md), run here on the CPU so that they keep working between the
+sessions that have a GPU: models of real shapes, and one short run of each script on a random-weight SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CHAT_TEMPLATE, make_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decode_vs_oracle  # noqa: E402
+import profile_step  # noqa: E402
+import random_bench  # noqa: E402
+from random_models import SHAPES, random_model  # noqa: E402
+
+
+@pytest.mark.parametrize("shape, parameters", [("llama-3.1-8b", 8_030_261_248), ("qwen2.5-0.5b", 494_032_768),
+                                               ("smollm2-135m", 134_515_008)])
+def test_shapes_are_the_published_models(shape, parameters):
+    model = random_model(shape, "meta")  # no memory: shapes only
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="--shape: one of"):
+        random_model("llama-9b", "meta")
+    assert set(SHAPES) == {"llama-3.1-8b", "qwen2.5-0.5b", "smollm2-135m"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(path)
+    return str(path)
+
+
+SMALL = ["--shape", "smollm2-135m", "--device", "cpu", "--dtype", "float32"]
+
+
+def test_decode_vs_oracle_on_a_random_model(tokenizer_dir, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    decode_vs_oracle.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--steps", "2", "--repeats",
+                           "1", "--batch", "2", "--no-full", "--presses", "snapkv,h2o", "--json", str(out)])
+    rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"snapkv", "h2o", "oracle"} and rows["oracle"]["ratio"] == 1.0
+    assert all(row["batch"] == 2 and row["length"] == 600 and row["ms"] > 0 for row in rows.values())
+    assert "host syncs/step" not in capsys.readouterr().out  # counted on CUDA only
+    with pytest.raises(SystemExit):  # --count-syncs needs CUDA
+        decode_vs_oracle.main([*SMALL, "--tokenizer", tokenizer_dir, "--count-syncs"])
+
+
+def test_profile_step_on_a_random_model(tokenizer_dir, capsys):
+    profile_step.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--steps", "2", "--top", "3",
+                       "--presses", "streamingllm"])
+    table = capsys.readouterr().out.split("per step\n")[-1]
+    assert "oracle" in table and "streamingllm" in table
+
+
+def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
+    random_bench.main([*SMALL, "--tokenizer", tokenizer_dir, "--lengths", "600", "--max-new-tokens", "3",
+                       "--presses", "snapkv"])
+    out = capsys.readouterr().out
+    assert "snapkv r=0.1" in out and "oracle" in out and "full" in out
