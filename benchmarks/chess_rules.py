@@ -7,7 +7,8 @@ their best page (`pooling="max"`), and the `ratio` split evenly over grids, chun
 A needle counts as kept when every page holding its value is attended (selected, sink or window). One more rule,
 `--bounds`, replaces eq. 4's page vector by Quest's page bound: each page's channel-wise max and min of its
 centred keys before RoPE (over every layer and KV head, as eq. 1), scored `sum_i max(a_i max_i, a_i min_i)`
-against the anchor `a`, with max pooling; its keys come from the cache's store, so it is traced here only.
+against the anchor `a`, with max pooling; its keys come from the cache's store, so it is traced here only. With
+`--bounds` also: eq. 4's score and the bound, each standardised over the row's candidate pages, summed.
 
     PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 20
     PYTHONPATH=. python benchmarks/chess_rules.py --model smollm2-135m --task prose_code --page-size 16 --bounds
@@ -59,6 +60,15 @@ def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor,
     return (high @ anchor[0].clamp(min=0) + low @ anchor[0].clamp(max=0))[None], candidate
 
 
+def standardised(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """`scores` `(batch, pages)` less their mean over each row's candidate pages, over their standard deviation
+    (0 for the other pages, which `select_by` never takes)."""
+    scores = scores.masked_fill(~candidate, 0.0)
+    mean = masked_mean(scores[..., None], candidate, dim=1)
+    spread = masked_mean((scores - mean).square()[..., None], candidate, dim=1).sqrt()
+    return ((scores - mean) / spread.clamp(min=1e-6)).masked_fill(~candidate, 0.0)
+
+
 @torch.no_grad()
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,8 +79,10 @@ def main(argv=None):
     model, tokenizer = load_model(args.model)
     presses = rules(args.ratio, args.page_size)
     bound_rule = "page bounds (Quest), max pooling, ratio split evenly"
+    both_rule = "page means + page bounds, standardised, max pooling"
     if args.bounds:
         presses[bound_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
+        presses[both_rule] = presses[bound_rule]
     kept = {name: 0 for name in presses}
     pages = {name: [] for name in presses}
     for _, _, ids, (first, end) in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
@@ -82,6 +94,12 @@ def main(argv=None):
         for name, press in presses.items():
             if name == bound_rule:
                 _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1]))
+            elif name == both_rule:
+                bound, candidate = bound_scores(model, out.cache, press, ids.shape[1])
+                vectors, anchor, _ = press.page_vectors(out.cache.state.page_sums, lengths)
+                mean = (vectors @ anchor[:, :, None])[..., 0]
+                _, _, selected = press.select_by(standardised(mean, candidate) + standardised(bound, candidate),
+                                                 candidate)
             else:
                 _, _, selected = press.select(out.cache.state.page_sums, lengths)
             always, _ = press.page_roles(lengths, selected.shape[1])

@@ -41,21 +41,26 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
 
     `grouped`: summed over the query heads of each KV head's GQA group, `(batch, kv_heads, tokens, head_dim)`.
     RoPE turns every head of a token alike, so a group is summed before it is rotated (one rotation per group).
-    `rope_matrix`: that rotation as `rope_matrix(position_embeddings)` made it (one token), applied in one op.
+    `rope_matrix`: that rotation as `rope_matrix(position_embeddings)` made it (one token), applied in one op;
+    `(d, d)` when every row has the same position.
     """
     b, n, width = projected.shape
     d = module.head_dim
     if width != module.config.num_attention_heads * d:  # a fused qkv output: keep its queries only
         projected = projected[..., : module.config.num_attention_heads * d]
-    q = projected.reshape(b, n, -1, d)
+    q = projected
+    if hasattr(module, "q_norm") or grouped or rope_matrix is None:  # else a step's heads need no 4D view
+        q = q.reshape(b, n, -1, d)
     if hasattr(module, "q_norm"):
         q = module.q_norm(q)
     if grouped:
         q = q.reshape(b, n, module.config.num_key_value_heads, -1, d).sum(3)
     if rope_matrix is not None:  # one token: a plain (batched) product, no broadcast copy of the matrix
         matrix = rope_matrix if rope_matrix.dtype == q.dtype else rope_matrix.to(q.dtype)
-        if matrix.shape[0] == 1:  # one position for every row: (batch * heads, d) @ (d, d)
-            return (q.reshape(-1, d) @ matrix.view(d, d)).view(b, -1, 1, d)
+        if matrix.dim() == 4 and matrix.shape[0] == 1:
+            matrix = matrix.view(d, d)
+        if matrix.dim() == 2:  # one position for every row: (batch * heads, d) @ (d, d)
+            return (q.reshape(-1, d) @ matrix).view(b, -1, 1, d)
         return torch.bmm(q.reshape(b, -1, d), matrix.view(b, d, d)).unsqueeze(2)
     return rotate(q.transpose(1, 2), position_embeddings)
 

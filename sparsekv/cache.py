@@ -77,6 +77,8 @@ class Forward:
         cos = position_embeddings[0]
         if self.rope is None or self.rope[0] is not cos or self.rope[1:3] != (head_dim, scaling):
             plain = rope_matrix(position_embeddings, head_dim)
+            if plain is not None and plain.shape[0] == 1:  # one position for every row: viewed once, not per layer
+                plain = plain.view(head_dim, head_dim)
             scaled = None if plain is None else plain * scaling
             self.rope = (cos, head_dim, scaling, (plain, scaled))
         return self.rope[3]

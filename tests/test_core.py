@@ -360,6 +360,11 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     shared = model.model.rotary_emb(hidden, positions[:1])
     torch.testing.assert_close(shape_queries(module, projected, shared, False, rope_matrix(shared, module.head_dim)),
                                shape_queries(module, projected, shared), rtol=1e-5, atol=1e-5)
+    plain, _ = Forward(None, None, 1).rope_matrices(shared, module.head_dim, module.scaling)
+    assert plain.shape == (module.head_dim, module.head_dim)  # the step's layers share it as a plain (d, d)
+    for grouped in (False, True):
+        torch.testing.assert_close(shape_queries(module, projected, shared, grouped, plain),
+                                   shape_queries(module, projected, shared, grouped), rtol=1e-5, atol=1e-5)
     phi3 = make_model("phi3")
     half = phi3.model.rotary_emb(hidden, positions)
     assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None
