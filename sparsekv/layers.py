@@ -388,11 +388,13 @@ class StoreLayer(KVLayer):
     def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor) -> None:
         """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
         from the store and one write per tensor, every head at once)."""
-        at = (row, head, slot)
-        if self.store_keys.device != row.device:
-            at = tuple(i.to(self.store_keys.device) for i in at)
-        self.keys[row, head, target] = self.store_keys[at].to(self.keys.device, non_blocking=True)
-        self.values[row, head, target] = self.store_values[at].to(self.values.device, non_blocking=True)
+        if self.store_keys.device == row.device:
+            self.keys[row, head, target] = self.store_keys[row, head, slot]
+            self.values[row, head, target] = self.store_values[row, head, slot]
+        else:  # an offloaded store: one index to its device, not three, and rows gathered into pinned memory
+            index = flat_index(self.store_keys, row, head, slot)
+            self.keys[row, head, target] = gather_rows(self.store_keys, index).to(self.device, non_blocking=True)
+            self.values[row, head, target] = gather_rows(self.store_values, index).to(self.device, non_blocking=True)
         self.positions[row, head, target] = self.store_positions[row, slot]
 
     def crop_to(self, length: int) -> None:
@@ -449,6 +451,23 @@ def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:
     # A tensor of its own over the storage (not a view of `t`): views of it have it as their `_base`, which is
     # how the next append finds the room (`append_in_place`).
     return t.new_empty(0).set_(t.untyped_storage(), 0, shape, strides)
+
+
+def flat_index(store: torch.Tensor, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The rows of `store` `(batch, heads, slots, d)` viewed as `(batch * heads * slots, d)` that `(row, head,
+    slot)` name, on the store's device: one copy there instead of three."""
+    b, h, r, _ = store.shape
+    return ((row * h + head) * r + slot).to(store.device)
+
+
+def gather_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`store`'s rows `index` (`flat_index`) as `(n, d)`; from a pinned store into pinned memory (torch's cached
+    blocks), so that the copy to the GPU that follows is asynchronous."""
+    flat = store.view(-1, store.shape[-1])
+    if not store.is_pinned():
+        return flat.index_select(0, index)
+    out = torch.empty(index.numel(), flat.shape[-1], dtype=flat.dtype, pin_memory=True)
+    return torch.index_select(flat, 0, index, out=out)
 
 
 def append_in_place(current: torch.Tensor, new: torch.Tensor | int | bool, dim: int) -> torch.Tensor:

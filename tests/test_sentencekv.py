@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -343,3 +344,41 @@ def test_alias_repr_and_errors():
     with press(budget=20)(model), pytest.raises(ValueError, match="needs input_ids"):
         model(inputs_embeds=model.get_input_embeddings()(prompt(40)))
     assert isinstance(SparseCache(press(budget=20), model.config).layers[0], KVLayer)
+
+
+def test_an_offloaded_stores_rows_are_gathered_by_one_flat_index():
+    """`StoreLayer.load` from a store on another device moves one flat index there, not three: the rows it
+    gathers are the store's `(row, head, slot)` rows, in order (keys and values of other widths alike)."""
+    from sparsekv.layers import flat_index, gather_rows
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 3, 10, 4, generator=gen), torch.randn(2, 3, 10, 6, generator=gen)
+    row, head, slot = torch.tensor([1, 0, 1, 1]), torch.tensor([2, 0, 0, 2]), torch.tensor([9, 3, 0, 4])
+    index = flat_index(keys, row, head, slot)
+    assert torch.equal(gather_rows(keys, index), keys[row, head, slot])
+    assert torch.equal(gather_rows(values, index), values[row, head, slot])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_host_read_loads_what_two_do(seed):
+    """On a GPU `_load` finds the tokens that enter and those that leave with one `nonzero` (one wait for the
+    device), on a CPU with two: both leave every layer with the same working set and bookkeeping."""
+    model = make_model("llama")
+    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with press(budget=30)(model), torch.no_grad():
+        cache = model(ids, attention_mask=mask).cache
+    gen, moved = torch.Generator().manual_seed(seed), 0
+    for layer in compressed(cache):
+        state = layer.state
+        state.query_sum = torch.randn(state.query_sum.shape, generator=gen).to(state.query_sum.device)
+        chosen = SentencePress._chosen(layer)
+        twin = copy.deepcopy(layer)
+        copied = SentencePress._load(layer, chosen, one_read=True)
+        assert copied == SentencePress._load(twin, chosen, one_read=False)
+        moved += copied
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(layer, name), getattr(twin, name)), name
+        assert torch.equal(state.device_slot, twin.state.device_slot)
+    assert moved > 0  # a new mean query moved tokens in and out

@@ -310,7 +310,7 @@ class SentencePress(SnapKVPress):
         return through.gather(-1, layer.state.slot_sentence) < layer.state.slot_room
 
     @staticmethod
-    def _load(layer, chosen) -> int:
+    def _load(layer, chosen, one_read: bool | None = None) -> int:
         """Make the store slots `chosen` `(b, h, R)` the loaded ones, copying only those not resident yet (one
         gather from the store and one write per tensor, every head at once). Returns the tokens copied.
 
@@ -319,14 +319,24 @@ class SentencePress(SnapKVPress):
         not care about slot order (keys carry their RoPE), so the loaded region needs none.
         """
         resident, layer.state.resident = layer.state.resident, chosen
-        enter = chosen if resident is None else chosen > resident  # chosen, not resident
-        row, head, slot = enter.nonzero().unbind(-1)
+        if one_read is None:  # on a CPU a host read costs an op; on a GPU each waits for the device to drain
+            one_read = chosen.device.type != "cpu"
+        if resident is None:  # at compress: the region is free, chosen slots fill it from the front
+            row, head, slot = chosen.nonzero().unbind(-1)
+            target = (chosen.cumsum(-1) - 1)[chosen]
+        elif not one_read:
+            row, head, slot = (chosen > resident).nonzero().unbind(-1)
+            target = layer.state.device_slot[resident > chosen]  # the slots of those that leave
+        else:
+            # Those that enter (chosen, not resident) and those that leave, found by one `nonzero` (one read on
+            # the host): as many of each per head, so the first half of its rows enters, the second leaves.
+            pairs = torch.stack([chosen > resident, resident > chosen]).nonzero()
+            n = pairs.shape[0] // 2
+            _, row, head, slot = pairs[:n].unbind(-1)
+            _, *leaving = pairs[n:].unbind(-1)
+            target = layer.state.device_slot[tuple(leaving)]  # the slots of those that leave
         if slot.numel() == 0:  # the selection did not change: everything is resident already
             return 0
-        if resident is None:  # at compress: the region is free, chosen slots fill it from the front
-            target = (chosen.cumsum(-1) - 1)[chosen]
-        else:
-            target = layer.state.device_slot[resident > chosen]  # the slots of those that leave
         layer.load(row, head, slot, target)
         layer.state.device_slot[row, head, slot] = target
         return slot.numel()
