@@ -456,13 +456,16 @@ def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:
 def flat_index(store: torch.Tensor, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """The rows of `store` `(batch, heads, slots, d)` viewed as `(batch * heads * slots, d)` that `(row, head,
     slot)` name, on the store's device: one copy there instead of three."""
-    b, h, r, _ = store.shape
+    _, h, r, _ = store.shape
     return ((row * h + head) * r + slot).to(store.device)
 
 
 def gather_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`store`'s rows `index` (`flat_index`) as `(n, d)`; from a pinned store into pinned memory (torch's cached
     blocks), so that the copy to the GPU that follows is asynchronous."""
+    if not store.is_contiguous():  # (sparsekv's stores are; any other is indexed by the flat index's parts)
+        _, h, r, _ = store.shape
+        return store[index // (h * r), index // r % h, index % r]
     flat = store.view(-1, store.shape[-1])
     if not store.is_pinned():
         return flat.index_select(0, index)

@@ -357,6 +357,8 @@ def test_an_offloaded_stores_rows_are_gathered_by_one_flat_index():
     index = flat_index(keys, row, head, slot)
     assert torch.equal(gather_rows(keys, index), keys[row, head, slot])
     assert torch.equal(gather_rows(values, index), values[row, head, slot])
+    strided = keys.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, laid out otherwise
+    assert torch.equal(gather_rows(strided, index), keys[row, head, slot])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
