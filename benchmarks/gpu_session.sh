@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# One GPU session's runs (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA,
-# decode steps against the oracle on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens,
-# batch 1 and 8, with host synchronisations counted; `sparsekv bench` rows (prefill, GPU memory, KV bytes) at
-# 32k; then 128k if time is left; a profile of a step per press. Logs go to $OUT (default: gpu-results/).
+# One GPU session's runs (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA;
+# on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens, decode steps against the oracle at
+# batch 1 with host synchronisations counted, a profile of a step per press, the steps at batch 8, the largest
+# batch each fits in the full cache's batch-1 memory, `sparsekv bench` rows (prefill, GPU memory, KV bytes);
+# then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
 #
-#   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # steps: all by default, in this order
+#   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
 # On a machine without sparsekv's requirements, install them first (the wheels of transformers >= 5.24, nltk).
 set -u
 TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
-STEPS=" ${*:-tests decode32k_b1 decode32k_b8 bench32k decode128k_b1 profile32k} "
+STEPS=" ${*:-tests decode32k_b1 profile32k decode32k_b8 capacity32k bench32k decode128k_b1} "  # names only
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -40,12 +41,15 @@ run tests 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --
 SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
 run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
   --repeats 3 --count-syncs --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/decode32k_b1.json"
+run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
+  --presses snapkv,streamingllm,chunkkv,h2o
 run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
   --repeats 2 --no-full --presses snapkv,streamingllm,chunkkv --json "$OUT/decode32k_b8.json"
+# The full cache at batch 1 and 32k took 16.06 GB of weights + 7.8 GB at its peak (docs/gpu.md): 24 GB.
+run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
+  --presses snapkv,streamingllm,chunkkv,sentencekv --memory-budget 24 --max-batch 16
 run bench32k 100 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 32 \
   --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/bench32k.json"
 run decode128k_b1 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 131000 --batch 1 --steps 16 \
   --repeats 2 --presses snapkv,streamingllm --json "$OUT/decode128k_b1.json"
-run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
-  --presses snapkv,streamingllm,chunkkv,h2o
 echo "== done, $(( DEADLINE - $(date +%s) ))s before the deadline"
