@@ -32,12 +32,11 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
-from random_models import SHAPES, random_model
+from random_models import load_from_arguments, model_arguments, model_placement
 
 from sparsekv.bench import plot_throughput
 from sparsekv.environment import environment
 from sparsekv.evaluation.presses import make_press
-from sparsekv.models import DTYPES, load_model, placement
 from sparsekv.niah import build_needle_prompt
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
@@ -133,13 +132,7 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
 @torch.no_grad()
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or folder (default: %(default)s)")
-    parser.add_argument("--shape", choices=SHAPES, help="instead of --model: a model of this shape with random "
-                        "weights, built on --device (needs --tokenizer)")
-    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder for --shape")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda (default: auto)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on a CPU")
-    parser.add_argument("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    model_arguments(parser)
     parser.add_argument("--no-full", action="store_true", help="skip the full cache (large batches: it and its "
                         "copy may not fit)")
     parser.add_argument("--count-syncs", action="store_true", help="CUDA: host synchronisations per decoding step")
@@ -153,12 +146,7 @@ def main(argv=None):
     parser.add_argument("--batch", default="1", help="copies of the prompt decoded together, comma-separated "
                                                      "batch sizes (default: 1)")
     parser.add_argument("--plot", metavar="FILE.png", help="write tokens/s against batch size (several --batch)")
-    parser.add_argument("--cudnn-sdpa", action="store_true",
-                        help="let sdpa pick cuDNN attention (off by default: torch 2.11 rebuilds its plan for "
-                        "every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
     args = parser.parse_args(argv)
-    if not args.cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -167,23 +155,10 @@ def main(argv=None):
         parser.error(f"--ratio: a fraction in (0, 1]; got {args.ratio}.")
     if args.steps < 1 or args.repeats < 1 or min(batches) < 1:
         parser.error("--steps, --repeats and --batch: at least 1.")
-    if args.shape and not args.tokenizer:
-        parser.error("--shape: give --tokenizer DIR (any tokenizer folder with a chat template).")
-    try:
-        device, dtype = placement(args.device, args.dtype)
-    except ValueError as err:
-        parser.error(str(err))
-    if args.count_syncs and torch.device(device).type != "cuda":
-        parser.error("--count-syncs: CUDA only (torch's sync debug mode).")
-
-    if args.shape:
-        from transformers import AutoTokenizer
-
-        model, tokenizer = random_model(args.shape, device, dtype, args.attn_implementation), \
-            AutoTokenizer.from_pretrained(args.tokenizer)
-    else:
-        model, tokenizer = load_model(args.model, dtype, args.attn_implementation, device_map=device)
-    name = f"{args.shape} (random weights)" if args.shape else args.model
+    device, dtype = model_placement(args)
+    if args.count_syncs and (args.device_map or torch.device(device).type != "cuda"):
+        parser.error("--count-syncs: one CUDA device (--device cuda) only (torch's sync debug mode).")
+    model, tokenizer, name = load_from_arguments(args, device, dtype)
     ids = needle_prompt(tokenizer, args.length).to(model.device)
     rows = []
     for batch in batches:

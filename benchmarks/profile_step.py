@@ -16,11 +16,10 @@ import time
 
 import torch
 from decode_vs_oracle import needle_prompt
-from random_models import SHAPES, random_model
+from random_models import load_from_arguments, model_arguments, model_placement
 from torch.profiler import ProfilerActivity, profile
 
 from sparsekv.evaluation.presses import make_press
-from sparsekv.models import DTYPES, load_model, placement
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
 
@@ -62,35 +61,15 @@ def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int) -> tu
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--model", default="smollm2-135m", help="alias, .gguf file or folder (default: %(default)s)")
-    add("--shape", choices=SHAPES, help="instead of --model: random weights of this shape (needs --tokenizer)")
-    add("--tokenizer", metavar="DIR", help="tokenizer folder for --shape")
-    add("--device", default="auto")
-    add("--dtype", choices=DTYPES, default="auto")
+    model_arguments(parser)
     add("--length", type=int, default=8192, help="prompt tokens (default: %(default)s)")
     add("--batch", type=int, default=1, help="copies of the prompt (default: %(default)s)")
     add("--presses", default="snapkv,streamingllm", help="(default: %(default)s)")
     add("--ratio", type=float, default=0.1, help="(default: %(default)s)")
     add("--steps", type=int, default=8, help="steps timed and profiled (default: %(default)s)")
     add("--top", type=int, default=12, help="ops listed per configuration (default: %(default)s)")
-    parser.add_argument("--cudnn-sdpa", action="store_true",
-                        help="let sdpa pick cuDNN attention (off by default: torch 2.11 rebuilds its plan for "
-                        "every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
     args = parser.parse_args(argv)
-    if not args.cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if args.shape and not args.tokenizer:
-        parser.error("--shape: give --tokenizer DIR.")
-    try:
-        device, dtype = placement(args.device, args.dtype)
-    except ValueError as err:
-        parser.error(str(err))
-    if args.shape:
-        from transformers import AutoTokenizer
-
-        model, tokenizer = random_model(args.shape, device, dtype), AutoTokenizer.from_pretrained(args.tokenizer)
-    else:
-        model, tokenizer = load_model(args.model, dtype, device_map=device)
+    model, tokenizer, name = load_from_arguments(args, *model_placement(args))
     ids = needle_prompt(tokenizer, args.length).to(model.device).expand(args.batch, -1)
     configs = {"oracle": (ids[:, -round(args.ratio * args.length):], contextlib.nullcontext())}
     for spec in split_specs(args.presses):
@@ -100,7 +79,7 @@ def main(argv=None) -> None:
         row, tables = profile_steps(model, prompt, context, args.steps, args.top)
         rows.append({"config": name, **row})
         print(f"\n== {name}\n{tables}")
-    print(f"\n{args.shape or args.model}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}: per step")
+    print(f"\n{name}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}: per step")
     print(format_table(rows, [("config", "config", ""), ("wall ms", "wall_ms", ".2f"),
                               ("device busy ms", "device_ms", ".2f"), ("aten ops", "ops", ".0f"),
                               ("kernels", "kernels", ".0f")]))

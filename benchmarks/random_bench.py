@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from random_models import SHAPES, random_model
-from transformers import AutoTokenizer
+from random_models import load_from_arguments, model_arguments, model_placement
 
 from sparsekv.bench import format_capacity, format_rows, run_bench, run_capacity
 from sparsekv.environment import environment
-from sparsekv.models import DTYPES, placement
 from sparsekv.presses.registry import split_specs
 
 
@@ -27,11 +25,7 @@ from sparsekv.presses.registry import split_specs
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--shape", choices=SHAPES, required=True)
-    add("--tokenizer", metavar="DIR", required=True, help="tokenizer folder (any, with a chat template)")
-    add("--device", default="auto", help="auto (CUDA when available), cpu, cuda (default: auto)")
-    add("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on a CPU")
-    add("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa")
+    model_arguments(parser, shape_only=True)
     add("--lengths", default="32768", help="prompt lengths in tokens, comma-separated (default: %(default)s)")
     add("--presses", default="snapkv,streamingllm,chunkkv,h2o,chess,sentencekv", help="(default: %(default)s)")
     add("--ratio", type=float, default=0.1, help="fraction of the prompt's KV kept (default: %(default)s)")
@@ -42,22 +36,16 @@ def main(argv=None) -> None:
     add("--max-batch", type=int, default=64, help="largest batch --memory-budget tries (default: %(default)s)")
     add("--json", metavar="FILE.json")
     add("--plot", metavar="FILE.png")
-    parser.add_argument("--cudnn-sdpa", action="store_true",
-                        help="let sdpa pick cuDNN attention (off by default: torch 2.11 rebuilds its plan for "
-                        "every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
     args = parser.parse_args(argv)
-    if not args.cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        device, dtype = placement(args.device, args.dtype)
         lengths = [int(n) for n in args.lengths.split(",")]
         batches = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError as err:
         parser.error(str(err))
-    model = random_model(args.shape, device, dtype, args.attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    device, dtype = model_placement(args)
+    model, tokenizer, name = load_from_arguments(args, device, dtype)
     env = environment(model.device)
-    title = (f"{args.shape} (random weights), {env['device_name']}, {str(dtype).removeprefix('torch.')}, "
+    title = (f"{name}, {env['device_name']}, {str(dtype).removeprefix('torch.')}, "
              f"{args.attn_implementation}, {args.max_new_tokens} new tokens")
     print(title)
     presses = split_specs(args.presses)

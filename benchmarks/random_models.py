@@ -7,8 +7,13 @@ the weights' values, and a GPU machine without the Hub cannot download them.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+from sparsekv.cli import placement, placement_args
+from sparsekv.models import load_model
 
 # The published configs' shapes (config.json of each model on the Hub), rope included: its scaling changes the
 # step's work only through the rotary embedding, but a 128k prompt needs Llama 3.1's context.
@@ -44,3 +49,42 @@ def random_model(shape: str, device: str = "cpu", dtype: torch.dtype = torch.bfl
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
+
+
+# --- the benchmarks' model options ---------------------------------------------------------------------------------
+def model_arguments(parser: argparse.ArgumentParser, shape_only: bool = False) -> None:
+    """Which model and where, for the GPU benchmarks: `--model` (unless `shape_only`) or `--shape` with
+    `--tokenizer`, sparsekv's placement options (`sparsekv.cli.placement_args`) and `--cudnn-sdpa`."""
+    add = parser.add_argument
+    if not shape_only:
+        add("--model", default="smollm2-135m", help="alias, .gguf file or folder (default: %(default)s)")
+    add("--shape", choices=SHAPES, required=shape_only,
+        help="a model of this shape with random weights, built on --device" + ("" if shape_only else
+                                                                              " (instead of --model)"))
+    add("--tokenizer", metavar="DIR", required=shape_only, help="tokenizer folder for --shape (any, with a chat "
+        "template: only the prompts' lengths matter)")
+    placement_args(parser)
+    add("--cudnn-sdpa", action="store_true", help="let sdpa pick cuDNN attention (off by default: torch 2.11 "
+        "rebuilds its plan for every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
+    parser.set_defaults(parser=parser)  # `placement` reports bad values through it
+
+
+def model_placement(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """`(device, dtype)` of the parsed `model_arguments`, with cuDNN attention off unless `--cudnn-sdpa`; bad
+    values exit through the parser."""
+    if not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.shape and not args.tokenizer:
+        args.parser.error("--shape: give --tokenizer DIR (any tokenizer folder with a chat template).")
+    if args.shape and args.device_map:
+        args.parser.error("--device-map: not with --shape (its model is built on --device).")
+    return placement(args)
+
+
+def load_from_arguments(args: argparse.Namespace, device: str, dtype: torch.dtype):
+    """`(model, tokenizer, name)` of the parsed `model_arguments`, placed as `model_placement` said."""
+    if args.shape:
+        return (random_model(args.shape, device, dtype, args.attn_implementation),
+                AutoTokenizer.from_pretrained(args.tokenizer), f"{args.shape} (random weights)")
+    model, tokenizer = load_model(args.model, dtype, args.attn_implementation, device_map=device)
+    return model, tokenizer, args.model

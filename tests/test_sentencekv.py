@@ -34,6 +34,16 @@ def sentence_prompt(n: int, seed: int = 0) -> torch.Tensor:
     return ids
 
 
+def padded_prefill() -> SparseCache:
+    """The cache of two 90-token sentence prompts (row 1 left-padded by 9) after the prompt, budget 30."""
+    model = make_model("llama")
+    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with press(budget=30)(model), torch.no_grad():
+        return model(ids, attention_mask=mask).cache
+
+
 def compressed(cache):
     return [layer for layer in cache.layers if isinstance(layer, KVLayer)]
 
@@ -206,12 +216,7 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
 def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
     """Right after the prompt (no decoding step yet), every real loaded slot holds a stored token's KV, on every
     head of both rows (one left-padded): decoding that cache attends no placeholder."""
-    model = make_model("llama")
-    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0
-    with press(budget=30)(model), torch.no_grad():
-        cache = model(ids, attention_mask=mask).cache
+    cache = padded_prefill()
     for layer in compressed(cache):
         for row in range(2):
             fill = int(layer.state.fill[row])
@@ -365,12 +370,7 @@ def test_an_offloaded_stores_rows_are_gathered_by_one_flat_index():
 def test_one_host_read_loads_what_two_do(seed):
     """On a GPU `_load` finds the tokens that enter and those that leave with one `nonzero` (one wait for the
     device), on a CPU with two: both leave every layer with the same working set and bookkeeping."""
-    model = make_model("llama")
-    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0
-    with press(budget=30)(model), torch.no_grad():
-        cache = model(ids, attention_mask=mask).cache
+    cache = padded_prefill()
     gen, moved = torch.Generator().manual_seed(seed), 0
     for layer in compressed(cache):
         state = layer.state
