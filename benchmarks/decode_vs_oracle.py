@@ -27,7 +27,9 @@ import copy
 import json
 import statistics
 import time
+import traceback
 import warnings
+from collections import Counter
 
 import torch
 from tqdm.auto import tqdm
@@ -58,19 +60,38 @@ def step_seconds(model, cache, token: torch.Tensor) -> tuple[float, torch.Tensor
     return time.perf_counter() - start, token
 
 
-def syncs_per_step(model, cache, token: torch.Tensor, press=None, steps: int = 4) -> float:
-    """Host-device synchronisations per one-token forward from `cache` (CUDA only): ops torch's sync debug mode
-    warns about (`.item()`, `bool(tensor)`, `nonzero`, copies to the host, ...), over `steps` steps."""
-    with warnings.catch_warnings(record=True) as caught:
+def syncs_per_step(model, cache, token: torch.Tensor, press=None, steps: int = 4) -> tuple[list[int], Counter]:
+    """Host-device synchronisations of each of `steps` one-token forwards from `cache` (CUDA only): ops torch's
+    sync debug mode warns about (`.item()`, `bool(tensor)`, `nonzero`, copies from pageable host memory, ...),
+    and where they were issued: a Counter of "file:line function" of the innermost frame in sparsekv or
+    transformers (the first step apart from the others: a step after the prompt can do one-time work)."""
+    per_step, sites, step = [0] * steps, Counter(), 0
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        nonlocal step
+        if "synchroniz" not in str(message):
+            return
+        per_step[step] += 1
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if "/sparsekv/" in f.filename]
+        theirs = [f for f in stack if "/transformers/" in f.filename]
+        where = max(ours[-1:] + theirs[-1:], key=stack.index, default=stack[-1])
+        site = f"{'/'.join(where.filename.split('/')[-2:])}:{where.lineno} {where.name}"
+        if ours and where is not ours[-1]:  # transformers' code, run from a sparsekv frame
+            site += f" (from {'/'.join(ours[-1].filename.split('/')[-2:])}:{ours[-1].lineno})"
+        sites[site] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            for _ in range(steps):
+            for step in range(steps):
                 with press(model) if press is not None else contextlib.nullcontext():
                     token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught) / steps
+    return per_step, sites
 
 
 def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = True, count_syncs: bool = False
@@ -113,7 +134,8 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
     syncs = {}
     if count_syncs:
         for name, (press, cache, token) in {**prefilled, **{k: (None, *v) for k, v in references.items()}}.items():
-            syncs[name] = syncs_per_step(model, copy.deepcopy(cache), token, press)
+            per_step, sites = syncs_per_step(model, copy.deepcopy(cache), token, press)
+            syncs[name] = {"per_step": per_step, "sites": dict(sites.most_common())}
     oracle = statistics.median(times["oracle"])
     full = statistics.median(times["full"]) if full else None
     batch = ids.shape[0]
@@ -124,7 +146,9 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
         quartiles = statistics.quantiles(ratios, n=4) if ratios else None
         rows.append({"config": name, "batch": batch, "length": ids.shape[1], "ms": ms,
                      "ratio": statistics.median(ratios) if ratios else ms / oracle,
-                     "speedup": full / ms if full else None, "tok_s": 1000 * batch / ms, "syncs": syncs.get(name),
+                     "speedup": full / ms if full else None, "tok_s": 1000 * batch / ms,
+                     "syncs": syncs[name]["per_step"] if name in syncs else None,
+                     "sync_sites": syncs[name]["sites"] if name in syncs else None,
                      "spread": f"{quartiles[0]:.3f}-{quartiles[2]:.3f}" if quartiles else ""})
     return rows
 
@@ -172,8 +196,13 @@ def main(argv=None):
                ("decode / oracle", "ratio", ".3f"), ("full / decode", "speedup", ".2f"), ("tok/s", "tok_s", ".1f"),
                ("ratio quartiles", "spread", "")]
     if args.count_syncs:
-        columns.append(("host syncs/step", "syncs", ".1f"))
+        for row in rows:
+            row["syncs_shown"] = " ".join(map(str, row["syncs"]))
+        columns.append(("host syncs, steps 1 2 ...", "syncs_shown", ""))
     print(format_table(rows, columns))
+    for row in rows if args.count_syncs else []:
+        for site, n in (row["sync_sites"] or {}).items():
+            print(f"  {row['config']} b{row['batch']}: {n} x {site}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "length": args.length, "ratio": args.ratio, "steps": args.steps,

@@ -73,11 +73,9 @@ def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
     cos, sin = position_embeddings
     if cos.shape[1] != 1 or cos.shape[-1] != head_dim:
         return None
-    half = torch.arange(head_dim // 2, device=cos.device)
-    # rotate_half(x) == x @ turn: its first half is minus x's second half, its second half is x's first half.
-    turn = torch.zeros(head_dim, head_dim, dtype=cos.dtype, device=cos.device)
-    turn[half + head_dim // 2, half] = -1
-    turn[half, half + head_dim // 2] = 1
+    # rotate_half(x) == x @ turn, turn = rotate_half(I) (made without index writes: on a GPU, writing a scalar
+    # through an index tensor waits for the device).
+    turn = _rotate_half(torch.eye(head_dim, dtype=cos.dtype, device=cos.device))
     return torch.diag_embed(cos) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
 
 

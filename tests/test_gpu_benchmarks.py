@@ -48,7 +48,7 @@ def test_decode_vs_oracle_on_a_random_model(tokenizer_dir, tmp_path, capsys):
     rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"snapkv", "h2o", "oracle"} and rows["oracle"]["ratio"] == 1.0
     assert all(row["batch"] == 2 and row["length"] == 600 and row["ms"] > 0 for row in rows.values())
-    assert "host syncs/step" not in capsys.readouterr().out  # counted on CUDA only
+    assert "host syncs" not in capsys.readouterr().out  # counted on CUDA only
     with pytest.raises(SystemExit):  # --count-syncs needs CUDA
         decode_vs_oracle.main([*SMALL, "--tokenizer", tokenizer_dir, "--count-syncs"])
 
@@ -65,3 +65,28 @@ def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
                        "--presses", "snapkv"])
     out = capsys.readouterr().out
     assert "snapkv r=0.1" in out and "oracle" in out and "full" in out
+
+
+def test_sync_counting_reports_each_step_and_where(monkeypatch):
+    """`--count-syncs`' counter, on the CPU: torch's sync debug mode warns from inside the forward, the counter
+    sees each warning in its step and names the innermost sparsekv / transformers frame it came from."""
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)  # the warnings are made below
+    model = random_model("smollm2-135m", "cpu", torch.float32)
+    model.config.num_hidden_layers = 2
+    model.model.layers = model.model.layers[:2]
+    seen = []
+
+    def warn_on_first_step(module, args):
+        if len(seen) < 2:  # the first step's two layers: two "synchronisations", none after
+            seen.append(1)
+            import warnings
+            warnings.warn("called a synchronizing CUDA operation")
+            warnings.warn("an unrelated warning")  # not counted
+    token = torch.tensor([[1]])
+    cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(warn_on_first_step)
+    per_step, sites = decode_vs_oracle.syncs_per_step(model, cache, token, steps=3)
+    assert per_step == [2, 0, 0]
+    (site, n), = sites.items()
+    assert n == 2 and site.startswith("llama/modeling_llama.py:") and "forward" in site
