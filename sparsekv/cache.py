@@ -150,7 +150,7 @@ class SparseCache(RowState, Cache):
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
-        self._copies: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # see `on`
+        self._copies: dict[tuple, tuple] = {}  # per value of a row tensor: `on`, `largest_budget`
         self.state = press.new_state(self)
 
     def on(self, name: str, device: torch.device | str) -> torch.Tensor:
@@ -165,6 +165,15 @@ class SparseCache(RowState, Cache):
         if copy_ is None or copy_[0] is not source:
             copy_ = self._copies[(name, device)] = (source, source.to(device))
         return copy_[1]
+
+    @property
+    def largest_budget(self) -> int:
+        """The largest row budget (`budgets` set), read once per value: presses compare slot counts with it at
+        every layer of every step, and a reduction of even a CPU tensor is an op to dispatch."""
+        cached = self._copies.get(("largest_budget", None))
+        if cached is None or cached[0] is not self.budgets:
+            cached = self._copies[("largest_budget", None)] = (self.budgets, int(self.budgets.max()))
+        return cached[1]
 
     def __deepcopy__(self, memo):
         """A copy (e.g. to answer several questions from one compressed context) shares the press: it is
@@ -214,9 +223,12 @@ class SparseCache(RowState, Cache):
             self.press.before_attention(self, layer, call)
         if not layer.compressed:
             return KEEP_MASK
-        impl = module.config._attn_implementation
-        if forward.input_valid is None and layer.all_valid and (forward.q_len == 1 or impl.startswith("flash")):
+        # (the config is read only when needed: transformers' config attribute reads are slow, and this runs at
+        # every layer of every step)
+        if forward.input_valid is None and layer.all_valid and (
+                forward.q_len == 1 or module.config._attn_implementation.startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
+        impl = module.config._attn_implementation
         if layer.fills_victim(forward.q_len, forward.input_valid, hidden.requires_grad):
             held = layer.held_valid()  # the slots keep their validity: the last (real) one stands for the token
             return physical_mask(held[:, :-1], held[:, -1:], impl, hidden.dtype)

@@ -42,6 +42,21 @@ class _Settled:
         layer.__dict__[self.private] = value
 
 
+class _Written(_Settled):
+    """`positions` and `valid`: also written for the decoding steps' tokens that are not yet (`KVLayer.write_tail`)
+    before anyone reads or replaces them."""
+
+    def __get__(self, layer, owner=None):
+        if layer is not None and layer.unwritten:
+            layer.write_tail()
+        return super().__get__(layer, owner)
+
+    def __set__(self, layer, value):
+        if layer.__dict__.get("unwritten"):
+            layer.write_tail()
+        super().__set__(layer, value)
+
+
 class KVLayer(RowState, CacheLayerMixin):
     """One attention layer's resident KV.
 
@@ -68,10 +83,12 @@ class KVLayer(RowState, CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = True  # the tokens of the last forward can be removed (`crop`)
-    keys, values, positions, valid, extra = _Settled(), _Settled(), _Settled(), _Settled(), _Settled()
+    keys, values, extra = _Settled(), _Settled(), _Settled()
+    positions, valid = _Written(), _Written()
 
     def __init__(self, state: Any = None):
-        self.pending: torch.Tensor | None = None  # first: the tensors' reads check it
+        self.pending: torch.Tensor | None = None  # first: the tensors' reads check these two
+        self.unwritten = 0  # the last slots' positions and validity, not written yet (`write_tail`)
         super().__init__()
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -101,12 +118,18 @@ class KVLayer(RowState, CacheLayerMixin):
             if self.fills_victim(q, valid, key_states.requires_grad):
                 return self._replace_victim(key_states, value_states)
             self.settle()
-        self._append("_keys", key_states)
-        self._append("_values", value_states)
-        if q == 1 and valid is None:  # a decoding step: scalars written into the new slot, no tensors to make
-            self._append("_positions", self.logical_len)
-            self._append("_valid", True)
+        if q == 1 and valid is None:  # a decoding step: its position and validity are known, written when read
+            if torch.is_grad_enabled() or key_states.requires_grad:
+                self._append("_keys", key_states)
+                self._append("_values", value_states)
+            else:  # generate's steps: the short way
+                self._keys, self._values = append_step(self._keys, key_states), append_step(self._values, value_states)
+            self.unwritten += 1
         else:
+            if self.unwritten:
+                self.write_tail()
+            self._append("_keys", key_states)
+            self._append("_values", value_states)
             self._append("_positions", torch.arange(self.logical_len, self.logical_len + q,
                                                     device=self.device).expand(b, h, q))
             self._append("_valid", self._new_valid(valid, b, q))
@@ -115,6 +138,22 @@ class KVLayer(RowState, CacheLayerMixin):
             self._append(name, 0 if q == 1 else extra[name].new_zeros(b, h, q), extra)
         self.logical_len += q
         return self._keys, self._values
+
+    def write_tail(self) -> None:
+        """Write the positions and validity of the decoding steps' tokens appended since the last read. A step
+        knows them (the next positions, real in every row and head), so it only counts them (`unwritten`): two
+        fewer writes per layer and step, each an op to dispatch, which is what a step costs where the host is
+        the bound (a GPU at batch 1). They are the same in every row, so reordering rows before they are
+        written changes nothing."""
+        n, self.unwritten = self.unwritten, 0
+        if n == 1:
+            self._append("_positions", self.logical_len - 1)
+            self._append("_valid", True)
+        elif n:
+            b, h = self._positions.shape[:2]
+            self._append("_positions", torch.arange(self.logical_len - n, self.logical_len,
+                                                    device=self.device).expand(b, h, n))
+            self._append("_valid", torch.ones(b, n, dtype=torch.bool, device=self.device))
 
     def fills_victim(self, q: int, valid: torch.Tensor | None, differentiable: bool) -> bool:
         """Whether a forward of `q` new tokens (`valid` as in `update`) writes its token into a pending victim's
@@ -125,6 +164,8 @@ class KVLayer(RowState, CacheLayerMixin):
     def _replace_victim(self, key_states: torch.Tensor,
                         value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoding step after an eviction: its token (real in every row) takes the victim's slot."""
+        if self.unwritten:
+            self.write_tail()
         victim, self.pending = self.pending[..., None], None
         index = victim[..., None].expand(*victim.shape, key_states.shape[-1])
         self._keys.scatter_(2, index, key_states)
@@ -205,6 +246,8 @@ class KVLayer(RowState, CacheLayerMixin):
     def settle(self) -> None:
         """Carry out a pending eviction: the last slot (a real token: the newest) moves into the victim's slot,
         so validity, shared by the heads of a row, is unchanged."""
+        if self.unwritten:
+            self.write_tail()
         v, self.pending = self.pending[..., None], None
         last = self._keys.shape[-2] - 1
         for name in ("_keys", "_values"):
@@ -230,6 +273,8 @@ class KVLayer(RowState, CacheLayerMixin):
     def held_valid(self) -> torch.Tensor:
         """`valid` as held, without settling a pending eviction: the victim's slot counts, as real (the next
         token, real in every row, takes it)."""
+        if self.unwritten:
+            self.write_tail()
         return self._valid
 
     @property
@@ -491,6 +536,19 @@ def append_in_place(current: torch.Tensor, new: torch.Tensor | int | bool, dim: 
     else:
         slots.fill_(new)
     return room.narrow(dim, 0, n + q)
+
+
+def append_step(current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`append_in_place(current, new, 2)` for one decoding step's slot of keys or values `(batch, heads, 1, d)`:
+    its common case (room behind `current`) in as few Python calls and ops as it takes, since a step at batch 1
+    on a GPU costs what its host does."""
+    room, n = current._base, current.shape[2]
+    if (room is None or room.shape[2] <= n or current.storage_offset() != room.storage_offset()
+            or current.stride() != room.stride() or current.shape[:2] != room.shape[:2]
+            or current.shape[3] != room.shape[3]):
+        return append_in_place(current, new, 2)
+    room[:, :, n : n + 1] = new
+    return room[:, :, : n + 1]
 
 
 def is_prefix(t: torch.Tensor, base: torch.Tensor, dim: int) -> bool:

@@ -205,7 +205,7 @@ class Press:
         evicts the forward's own tokens when they fit the budget, so that a rejected draft can be cropped from
         every head.
         """
-        budget = int(cache.budgets.max())
+        budget = cache.largest_budget
         if layer.slots <= budget:
             return
         if layer.slots == budget + 1:

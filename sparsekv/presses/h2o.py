@@ -56,7 +56,7 @@ class H2OPress(Press):
         layers = cache.compressed_layers()
         if cache.budgets is not None and layers:
             start = self.recent_start(cache, layers[0].logical_len + forward.q_len, layers[0].device)
-            forward.plan = _Step(start, int(cache.budgets.max()), layers[-1])
+            forward.plan = _Step(start, cache.largest_budget, layers[-1])
 
     @staticmethod
     def heavy_scores(received: torch.Tensor, positions: torch.Tensor, length: int,

@@ -49,7 +49,7 @@ class StreamingLLMPress(Press):
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if not layer.compressed:
             return
-        if call.q_len == 1 and layer.slots == int(cache.budgets.max()) + 1:
+        if call.q_len == 1 and layer.slots == cache.largest_budget + 1:
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
             # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
             if cache.forward.plan is None:
