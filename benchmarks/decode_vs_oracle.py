@@ -72,7 +72,7 @@ def syncs_per_step(model, cache, token: torch.Tensor, press=None, steps: int = 4
         if "synchroniz" not in str(message):
             return
         per_step[step] += 1
-        stack = traceback.extract_stack()[:-1]
+        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
         ours = [f for f in stack if "/sparsekv/" in f.filename]
         theirs = [f for f in stack if "/transformers/" in f.filename]
         where = max(ours[-1:] + theirs[-1:], key=stack.index, default=stack[-1])

@@ -419,15 +419,16 @@ class StoreLayer(KVLayer):
                                               for t in (keys, values))
         self.store_positions = positions
 
-    def gather(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
-        """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head)."""
+    def gather(self, slots: torch.Tensor, valid: torch.Tensor, all_valid: bool | None = None) -> None:
+        """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `all_valid`:
+        whether every one of them is real, when the caller knows (else read from `valid`, a wait on a GPU)."""
         b, h, _, d = self.store_keys.shape
         index = slots[:, None, :, None].expand(b, h, -1, d).to(self.store_keys.device)
         self.keys = self.store_keys.gather(2, index).to(self.device)
         self.values = self.store_values.gather(2, index).to(self.device)
         self.positions = self.store_positions.gather(1, slots)[:, None, :].expand(b, h, -1).clone()
         self.valid = valid
-        self.all_valid = bool(valid.all())
+        self.all_valid = bool(valid.all()) if all_valid is None else all_valid
         self.compressed = True
 
     def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor) -> None:

@@ -41,10 +41,11 @@ class CHESSState(RowState):
             `start + k * page_size ...` of that row, `start` its first real token, so padding is in no page.
         columns: layer index -> its rank among the compressed layers (its block of columns in `page_sums`).
         selected: `(batch, pages)` pages chosen by the last selection (Algorithm 1).
-        plan: `(slots, valid)`, `(batch, n)` store slots of a new working context and which are real, made after
+        plan: `(slots, valid, all_valid)`, `(batch, n)` store slots of a new working context, which are real and
+            whether all are, made after
             a forward for every layer of the next one (`Forward.plan`); None when the context did not change.
         built_at: `(batch,)` complete pages when the working context was last built (the window slides when
-            a page completes).
+            a page completes), on the CPU.
         summed: store slots already added to `page_sums`; the decoded tokens after them are added when page
             vectors are next read (at a selection), all layers at once, instead of layer by layer at every step.
         rope: the `(cos, sin)` of each decoding step since `summed`, to undo RoPE on those keys (`pre_rope`).
@@ -54,7 +55,7 @@ class CHESSState(RowState):
     page_sums: torch.Tensor | None = None
     columns: dict[int, int] = field(default_factory=dict)
     selected: torch.Tensor | None = None
-    plan: tuple[torch.Tensor, torch.Tensor] | None = None
+    plan: tuple[torch.Tensor, torch.Tensor, bool] | None = None
     built_at: torch.Tensor | None = None
     steps: int = 0
     summed: int = 0
@@ -287,20 +288,22 @@ class CHESSPress(Press):
         start = time.perf_counter()
         layer = cache.layers[next(iter(state.columns))]
         lengths = layer.logical_len - cache.on("prompt_start", layer.device)  # real tokens per row
-        complete = lengths.div(self.page_size, rounding_mode="floor")
+        # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
+        complete = (layer.logical_len - cache.prompt_start).div(self.page_size, rounding_mode="floor")
         continued = cache.forward is not None and cache.forward.continues_prompt
         if state.selected is None or continued:  # a prompt, the first or a continued one
             trigger = torch.ones_like(lengths, dtype=torch.bool)
         else:
             state.steps += 1
             trigger = self.triggers(logits[:, -1], state.steps)
-        if bool(trigger.any()):
+        reselect = bool(trigger.any())  # the step's one read on the host (uncertainty needs the logits)
+        if reselect:
             self._catch_up(cache)
             fresh = self.select(state.page_sums, lengths)[-1]
             state.selected = fresh if state.selected is None else torch.where(
                 trigger[:, None], fresh, pad_pages(state.selected, fresh.shape[1]))
             cache.counts["selections"] += int(trigger.sum())
-        if bool(trigger.any()) or not torch.equal(complete, state.built_at):
+        if reselect or not torch.equal(complete, state.built_at):
             state.plan = self.working_context(state.selected, lengths, cache.on("prompt_start", lengths.device))
             state.built_at = complete
             cache.counts["rebuilds"] += 1
@@ -373,8 +376,9 @@ class CHESSPress(Press):
         return pooled, active.any(-1)
 
     def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store slots `(batch, n)` and validity of sink + selected + window pages + the partial page."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Store slots `(batch, n)` and validity of sink + selected + window pages + the partial page, and whether
+        every slot is real (read once here for every layer's `gather`)."""
         n_pages = int((-(-lengths // self.page_size)).max())
         always, _ = self.page_roles(lengths, n_pages)
         attended = always | pad_pages(selected, n_pages)
@@ -386,7 +390,7 @@ class CHESSPress(Press):
         offsets = offsets.flatten(1)  # (b, width * page_size) token index within the row
         valid = (pages < n_pages).repeat_interleave(self.page_size, dim=1) & (offsets < lengths[:, None])
         slots = (offsets + prompt_start.to(offsets.device)[:, None]).where(valid, 0)
-        return slots, valid
+        return slots, valid, bool(valid.all())
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
         state = cache.state
