@@ -35,6 +35,14 @@ SHAPES = {
         num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     ),
+    # Not a published model: Llama-3.1-8B's 32 layers and 32 / 8 heads at widths that cost nothing, so that a
+    # decoding step on a CPU is its host work (Python and op dispatch), as a batch-1 step of the 8B model is on
+    # a GPU: the press / oracle ratios of that regime, without a GPU.
+    "host-bound": lambda: LlamaConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=256, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
 }
 
 

@@ -19,14 +19,14 @@ from random_models import SHAPES, random_model  # noqa: E402
 
 
 @pytest.mark.parametrize("shape, parameters", [("llama-3.1-8b", 8_030_261_248), ("qwen2.5-0.5b", 494_032_768),
-                                               ("smollm2-135m", 134_515_008)])
+                                               ("smollm2-135m", 134_515_008), ("host-bound", 24_133_888)])
 def test_shapes_are_the_published_models(shape, parameters):
     model = random_model(shape, "meta")  # no memory: shapes only
     assert sum(p.numel() for p in model.parameters()) == parameters
     assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="--shape: one of"):
         random_model("llama-9b", "meta")
-    assert set(SHAPES) == {"llama-3.1-8b", "qwen2.5-0.5b", "smollm2-135m"}
+    assert set(SHAPES) == {"llama-3.1-8b", "qwen2.5-0.5b", "smollm2-135m", "host-bound"}
 
 
 @pytest.fixture(scope="module")
