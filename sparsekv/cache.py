@@ -36,7 +36,9 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .attention import AttentionCall, rope_matrix
-from .layers import GROW, KVLayer, StoreLayer, allocated, append_in_place, buffer_of  # noqa: F401 (re-exported)
+from .layers import (  # noqa: F401 (re-exported)
+    GROW, KVLayer, StoreLayer, allocated, append_in_place, buffer_of, victim_indices,
+)
 from .state import RowState, row_index
 
 # Layer types sparsekv compresses; the others (e.g. Gemma3's sliding layers) keep transformers' own layer.

@@ -88,6 +88,7 @@ class KVLayer(RowState, CacheLayerMixin):
 
     def __init__(self, state: Any = None):
         self.pending: torch.Tensor | None = None  # first: the tensors' reads check these two
+        self.pending_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # `victim_indices(pending)`, if given
         self.unwritten = 0  # the last slots' positions and validity, not written yet (`write_tail`)
         super().__init__()
         self.positions: torch.Tensor | None = None
@@ -166,8 +167,7 @@ class KVLayer(RowState, CacheLayerMixin):
         """The decoding step after an eviction: its token (real in every row) takes the victim's slot."""
         if self.unwritten:
             self.write_tail()
-        victim, self.pending = self.pending[..., None], None
-        index = victim[..., None].expand(*victim.shape, key_states.shape[-1])
+        victim, index = self._victim_indices(key_states.shape[-1])
         self._keys.scatter_(2, index, key_states)
         if value_states.shape[-1] != key_states.shape[-1]:  # (models with other value widths)
             index = victim[..., None].expand(*victim.shape, value_states.shape[-1])
@@ -235,20 +235,30 @@ class KVLayer(RowState, CacheLayerMixin):
         self.all_valid = bool(valid.all())
         self.compressed = True
 
-    def evict(self, victim: torch.Tensor) -> None:
+    def evict(self, victim: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Drop one slot per row and head (`victim` `(batch, heads)`, real tokens). The drop is pending: the next
-        token takes the victim's slot, or `settle` moves the last slot there when anything else comes first."""
+        token takes the victim's slot, or `settle` moves the last slot there when anything else comes first.
+        `indices`: `victim_indices(victim, head_dim)` when the caller made them (for many layers at once);
+        else they are made when the eviction is carried out."""
         if self.pending is not None:
             self.settle()
-        self.pending = victim
+        self.pending, self.pending_indices = victim, indices
         self.compressed = True
+
+    def _victim_indices(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending victim's scatter indices (`victim_indices`), taken off the layer: the eviction is done."""
+        indices = self.pending_indices
+        if indices is None or indices[1].shape[-1] != width:
+            indices = victim_indices(self.pending, width)
+        self.pending = self.pending_indices = None
+        return indices
 
     def settle(self) -> None:
         """Carry out a pending eviction: the last slot (a real token: the newest) moves into the victim's slot,
         so validity, shared by the heads of a row, is unchanged."""
         if self.unwritten:
             self.write_tail()
-        v, self.pending = self.pending[..., None], None
+        v, _ = self._victim_indices(self._keys.shape[-1])
         last = self._keys.shape[-2] - 1
         for name in ("_keys", "_values"):
             t = self.__dict__[name]
@@ -537,6 +547,14 @@ def append_in_place(current: torch.Tensor, new: torch.Tensor | int | bool, dim: 
     else:
         slots.fill_(new)
     return room.narrow(dim, 0, n + q)
+
+
+def victim_indices(victim: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`victim` `(..., batch, heads)` as scatter indices into a layer's tensors: `(..., batch, heads, 1)` for the
+    per-slot ones, `(..., batch, heads, 1, width)` for keys and values. Leading dimensions make them for several
+    layers at once (stacked victims), in the same few ops as for one."""
+    slot = victim[..., None]
+    return slot, slot[..., None].expand(*slot.shape, width)
 
 
 def append_step(current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

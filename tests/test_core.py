@@ -325,7 +325,7 @@ def test_a_pending_eviction_decodes_as_one_carried_out_at_once(name, padded, imp
     pending = run()
     assert len(writes) >= 28 * 3  # every step after the first eviction, in every layer
     evict = KVLayer.evict
-    monkeypatch.setattr(KVLayer, "evict", lambda self, victim: (evict(self, victim), self.settle()))
+    monkeypatch.setattr(KVLayer, "evict", lambda self, *a: (evict(self, *a), self.settle()))
     at_once = run()
     assert torch.equal(pending.sequences, at_once.sequences)
     torch.testing.assert_close(torch.stack(pending.logits), torch.stack(at_once.logits), rtol=1e-5, atol=1e-5)
@@ -546,3 +546,15 @@ def test_row_tensors_are_copied_to_a_device_once_per_value():
     cache.reorder_cache(torch.tensor([1, 0], device=DEVICE))
     again = cache.on("prompt_start", meta)
     assert again is not first and again.device == meta and cache.on("prompt_start", meta) is again
+
+
+def test_victim_indices_made_for_stacked_layers_are_each_layers_own():
+    """H2O and StreamingLLM make every layer's scatter indices of a step at once: each layer's part is what that
+    layer would have made alone (a wrong slot would overwrite a kept token)."""
+    from sparsekv.layers import victim_indices
+    victims = torch.randint(0, 50, (5, 2, 3))  # (layers, batch, heads)
+    slots, index = victim_indices(victims, 8)
+    for i in range(5):
+        alone = victim_indices(victims[i], 8)
+        assert torch.equal(slots[i], alone[0]) and torch.equal(index[i], alone[1])
+        assert index[i].shape == (2, 3, 1, 8) and torch.equal(index[i][..., 0, 7], victims[i])

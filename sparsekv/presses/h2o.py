@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall
-from ..cache import Forward, KVLayer, SparseCache
+from ..cache import Forward, KVLayer, SparseCache, victim_indices
 from ..press import Press, check_number
 
 
@@ -132,8 +132,10 @@ class H2OPress(Press):
             scores = self.heavy_scores(torch.stack([layer.extra["received"] for layer in layers]), positions,
                                        layers[0].logical_len, plan.start.to(positions.device))
             valid = None if all(layer.all_valid for layer in layers) else torch.stack([layer.valid for layer in layers])
-            for layer, victim in zip(layers, self.lowest_real(scores, valid).unbind()):
-                layer.evict(victim)
+            victims = self.lowest_real(scores, valid)
+            slots, index = victim_indices(victims, layers[0].keys.shape[-1])  # every layer's, in one go
+            for layer, victim, slot, idx in zip(layers, victims.unbind(), slots.unbind(), index.unbind()):
+                layer.evict(victim, (slot, idx))
         plan.waiting = []
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import AttentionCall
-from ..cache import KVLayer, SparseCache
+from ..cache import KVLayer, SparseCache, victim_indices
 from ..press import Press, check_number
 
 
@@ -53,7 +53,11 @@ class StreamingLLMPress(Press):
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
             # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
             if cache.forward.plan is None:
-                cache.forward.plan = self.victims(layer, self.recency(cache, layer))
-            layer.evict(cache.forward.plan.to(layer.device))
+                victim = self.victims(layer, self.recency(cache, layer))
+                cache.forward.plan = victim, victim_indices(victim, layer.keys.shape[-1])
+            victim, indices = cache.forward.plan
+            if victim.device != layer.device:  # (a model split over devices)
+                victim, indices = victim.to(layer.device), tuple(t.to(layer.device) for t in indices)
+            layer.evict(victim, indices)
         else:
             self.hold_budget(cache, layer, self.recency(cache, layer))
