@@ -94,6 +94,14 @@ def syncs_per_step(model, cache, token: torch.Tensor, press=None, steps: int = 4
     return per_step, sites
 
 
+def kv_bytes_per_token(cache) -> int:
+    """Bytes of one token's key and value in one KV head (what a press's `loaded_tokens` counts: one per layer,
+    row and head)."""
+    layer = cache.compressed_layers()[0]
+    keys = layer.store_keys if getattr(layer, "store_keys", None) is not None else layer.keys
+    return (keys.shape[-1] + layer.values.shape[-1]) * keys.element_size()
+
+
 def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = True, count_syncs: bool = False
             ) -> list[dict]:
     """Median step (ms) of every press in `specs`, the oracle and (`full`) the full cache on the prompts `ids`.
@@ -115,10 +123,12 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
 
     times = {name: [] for name in [*specs, *references]}
     pairs = {spec: [] for spec in specs}
+    moved = {spec: [] for spec in specs}  # bytes of KV a press copied into its working set, per step
     for _ in tqdm(range(repeats), desc="repeats"):
         for spec, (press, cache, token) in prefilled.items():
             cache = copy.deepcopy(cache)
             oracle, oracle_token = copy.deepcopy(references["oracle"][0]), references["oracle"][1]
+            loaded = cache.counts["loaded_tokens"]
             for _ in range(steps):
                 with press(model):
                     seconds, token = step_seconds(model, cache, token)
@@ -126,6 +136,7 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
                 times[spec].append(1000 * seconds)
                 times["oracle"].append(1000 * reference)
                 pairs[spec].append(seconds / reference)
+            moved[spec].append((cache.counts["loaded_tokens"] - loaded) * kv_bytes_per_token(cache) / steps)
         if full:
             cache, token = copy.deepcopy(references["full"][0]), references["full"][1]
             for _ in range(steps):
@@ -149,7 +160,8 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
                      "speedup": full / ms if full else None, "tok_s": 1000 * batch / ms,
                      "syncs": syncs[name]["per_step"] if name in syncs else None,
                      "sync_sites": syncs[name]["sites"] if name in syncs else None,
-                     "spread": f"{quartiles[0]:.3f}-{quartiles[2]:.3f}" if quartiles else ""})
+                     "spread": f"{quartiles[0]:.3f}-{quartiles[2]:.3f}" if quartiles else "",
+                     "loaded_kb": statistics.mean(moved[name]) / 1024 if moved.get(name) else None})
     return rows
 
 
@@ -195,6 +207,8 @@ def main(argv=None):
     columns = [("config", "config", ""), ("batch", "batch", ""), ("decode ms/step", "ms", ".2f"),
                ("decode / oracle", "ratio", ".3f"), ("full / decode", "speedup", ".2f"), ("tok/s", "tok_s", ".1f"),
                ("ratio quartiles", "spread", "")]
+    if any(row["loaded_kb"] for row in rows):
+        columns.append(("KV loaded kB/step", "loaded_kb", ".1f"))
     if args.count_syncs:
         for row in rows:
             row["syncs_shown"] = " ".join(map(str, row["syncs"]))

@@ -44,9 +44,12 @@ SMALL = ["--shape", "smollm2-135m", "--device", "cpu", "--dtype", "float32"]
 def test_decode_vs_oracle_on_a_random_model(tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "rows.json"
     decode_vs_oracle.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--steps", "2", "--repeats",
-                           "1", "--batch", "2", "--no-full", "--presses", "snapkv,h2o", "--json", str(out)])
+                           "1", "--batch", "2", "--no-full", "--presses", "snapkv,h2o,sentencekv", "--json", str(out)])
     rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"snapkv", "h2o", "oracle"} and rows["oracle"]["ratio"] == 1.0
+    assert set(rows) == {"snapkv", "h2o", "sentencekv", "oracle"} and rows["oracle"]["ratio"] == 1.0
+    # KV copied into a working set per step: SentenceKV's loads (some, on random weights), none for the others
+    assert rows["snapkv"]["loaded_kb"] == 0 and rows["oracle"]["loaded_kb"] is None
+    assert rows["sentencekv"]["loaded_kb"] >= 0
     assert all(row["batch"] == 2 and row["length"] == 600 and row["ms"] > 0 for row in rows.values())
     assert "host syncs" not in capsys.readouterr().out  # counted on CUDA only
     with pytest.raises(SystemExit):  # --count-syncs needs CUDA
