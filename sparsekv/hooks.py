@@ -8,11 +8,11 @@ its own thread (a thread-local of the installation), so concurrent generations o
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
 from contextlib import contextmanager
-import functools
 from functools import partial
 
 import torch

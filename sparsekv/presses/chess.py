@@ -41,9 +41,9 @@ class CHESSState(RowState):
             `start + k * page_size ...` of that row, `start` its first real token, so padding is in no page.
         columns: layer index -> its rank among the compressed layers (its block of columns in `page_sums`).
         selected: `(batch, pages)` pages chosen by the last selection (Algorithm 1).
-        plan: `(slots, valid, all_valid)`, `(batch, n)` store slots of a new working context, which are real and
-            whether all are, made after
-            a forward for every layer of the next one (`Forward.plan`); None when the context did not change.
+        plan: `(slots, valid, all_valid)`: `(batch, n)` store slots of a new working context, which of them are
+            real, and whether all are; made after a forward for every layer of the next one (`Forward.plan`);
+            None when the context did not change.
         built_at: `(batch,)` complete pages when the working context was last built (the window slides when
             a page completes), on the CPU.
         summed: store slots already added to `page_sums`; the decoded tokens after them are added when page
