@@ -9,6 +9,9 @@ A needle counts as kept when every page holding its value is attended (selected,
 centred keys before RoPE (over every layer and KV head, as eq. 1), scored `sum_i max(a_i max_i, a_i min_i)`
 against the anchor `a`, with max pooling; its keys come from the cache's store, so it is traced here only. With
 `--bounds` also: eq. 4's score and the bound, each standardised over the row's candidate pages, summed.
+`--queries` keeps eq. 1's page vectors and changes eq. 3's anchor: instead of the mean key of the recent pages,
+the mean query of the prompt's last 32 tokens, before RoPE as the page vectors are (a question at the end is
+what those queries look for; beyond the paper, traced here only).
 
     PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 20
     PYTHONPATH=. python benchmarks/chess_rules.py --model smollm2-135m --task prose_code --page-size 16 --bounds
@@ -17,6 +20,7 @@ against the anchor `a`, with max pooling; its keys come from the cache's store, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 
 import torch
@@ -24,7 +28,8 @@ from chess_affinity import needle_arguments, swept_samples
 from tqdm.auto import tqdm
 
 from sparsekv import CHESSPress
-from sparsekv.attention import rotate
+from sparsekv.attention import query_projection, rotate
+from sparsekv.hooks import attention_modules
 from sparsekv.models import load_model
 from sparsekv.presses.chess import masked_mean
 from sparsekv.table import format_table
@@ -60,6 +65,40 @@ def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor,
     return (high @ anchor[0].clamp(min=0) + low @ anchor[0].clamp(max=0))[None], candidate
 
 
+QUERY_WINDOW = 32  # prompt queries averaged into the query anchor (SnapKV's observation window)
+
+
+@contextlib.contextmanager
+def captured_queries(model):
+    """Each attention layer's query projection of the prompt's last `QUERY_WINDOW` tokens, by layer index (the
+    first forward only: the prompt's)."""
+    found, handles = {}, []
+    for layer_idx, module in attention_modules(model).items():
+        def hook(_, args, output, i=layer_idx):
+            found.setdefault(i, output[:, -QUERY_WINDOW:].float())
+        handles.append(query_projection(module).register_forward_hook(hook))
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def query_anchor(model, queries: dict, cache) -> torch.Tensor:
+    """`(1, D)`: the window's mean query before RoPE, each KV head's GQA group summed, in the page vectors'
+    column layout (compressed layers in order, then KV heads, then channels). The page vectors are keys before
+    RoPE, so the product ranks pages by what the question's queries look for, without positions."""
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    parts = []
+    for i in cache.state.columns:
+        q = queries[i][..., : heads * d]  # (a fused qkv projection: its queries)
+        b, w, _ = q.shape
+        parts.append(q.view(b, w, kv_heads, heads // kv_heads, d).sum(3).mean(1).flatten(1))
+    return torch.cat(parts, dim=-1)
+
+
 def standardised(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
     """`scores` `(batch, pages)` less their mean over each row's candidate pages, over their standard deviation
     (0 for the other pages, which `select_by` never takes)."""
@@ -75,9 +114,13 @@ def main(argv=None):
     needle_arguments(parser, ratio=0.1, samples=20)
     parser.add_argument("--page-size", type=int, default=32, help="tokens per page (default: 32, the paper's)")
     parser.add_argument("--bounds", action="store_true", help="add the page-bound rule (see above)")
+    parser.add_argument("--queries", action="store_true", help="add the query-anchor rule (see above)")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     presses = rules(args.ratio, args.page_size)
+    query_rule = f"anchor: the last {QUERY_WINDOW} prompt queries (before RoPE), max pooling"
+    if args.queries:
+        presses[query_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
     bound_rule = "page bounds (Quest), max pooling, ratio split evenly"
     both_rule = "page means + page bounds, standardised, max pooling"
     if args.bounds:
@@ -88,11 +131,15 @@ def main(argv=None):
     for _, _, ids, (first, end) in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
                                         total=args.samples, desc="samples"):
         first_press = next(iter(presses.values()))
-        with first_press(model):
+        with first_press(model), captured_queries(model) as queries:
             out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
         lengths = torch.tensor([ids.shape[1]])
         for name, press in presses.items():
-            if name == bound_rule:
+            if name == query_rule:
+                vectors, _, candidate = press.page_vectors(out.cache.state.page_sums, lengths)
+                anchor = query_anchor(model, queries, out.cache)
+                _, _, selected = press.select_by((vectors @ anchor[:, :, None])[..., 0], candidate)
+            elif name == bound_rule:
                 _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1]))
             elif name == both_rule:
                 bound, candidate = bound_scores(model, out.cache, press, ids.shape[1])

@@ -344,3 +344,30 @@ def test_the_papers_letter_is_one_option_away():
 def test_bad_configuration_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CHESSPress(**kwargs)
+
+
+def test_chess_rules_query_anchor_is_in_the_page_vectors_layout():
+    """`benchmarks/chess_rules.py --queries`: the window's mean query, GQA groups summed, lies in the page sums'
+    columns (layer, then KV head, then channel), so that its product with a page vector pairs each query channel
+    with the same layer's, head's and channel's key."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from chess_rules import QUERY_WINDOW, captured_queries, query_anchor
+
+    model = make_model("qwen2")  # 4 query heads over 2 KV heads
+    ids = prompt(80)
+    with CHESSPress(ratio=0.5, page_size=16)(model), captured_queries(model) as queries:
+        out = model(ids, use_cache=True)
+    anchor = query_anchor(model, queries, out.cache)
+    assert anchor.shape == (1, out.cache.state.page_sums.shape[-1])
+    config = model.config
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    for layer, column in out.cache.state.columns.items():
+        q = queries[layer].view(1, -1, h, d)
+        assert q.shape[1] == QUERY_WINDOW  # the prompt's last tokens only
+        block = anchor[0, column * kv * d: (column + 1) * kv * d].view(kv, d)
+        for head in range(kv):  # query head j belongs to KV head j // (h // kv), as transformers' repeat_kv has it
+            group = [j for j in range(h) if j // (h // kv) == head]
+            torch.testing.assert_close(block[head], sum(q[0, :, j].mean(0) for j in group))
