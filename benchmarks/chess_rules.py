@@ -12,9 +12,12 @@ against the anchor `a`, with max pooling; its keys come from the cache's store, 
 `--queries` keeps eq. 1's page vectors and changes eq. 3's anchor: instead of the mean key of the recent pages,
 the mean query of the prompt's last 32 tokens, before RoPE as the page vectors are (a question at the end is
 what those queries look for; beyond the paper, traced here only).
+`--answers` generates instead, greedily as `sparsekv eval` does on the same prompts, with the default CHESS and
+with CHESS selecting by the means + bounds rule at every selection (`MeansAndBounds`), and scores the answers.
 
     PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 20
     PYTHONPATH=. python benchmarks/chess_rules.py --model smollm2-135m --task prose_code --page-size 16 --bounds
+    PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --page-size 16 --answers
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+from typing import Any
 
 import torch
 from chess_affinity import needle_arguments, swept_samples
@@ -29,6 +33,8 @@ from tqdm.auto import tqdm
 
 from sparsekv import CHESSPress
 from sparsekv.attention import query_projection, rotate
+from sparsekv.evaluation.scoring import score
+from sparsekv.evaluation.tasks import TASKS
 from sparsekv.hooks import attention_modules
 from sparsekv.models import load_model
 from sparsekv.presses.chess import masked_mean
@@ -63,6 +69,45 @@ def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor,
     high = pages.nan_to_num(float("-inf")).amax(1)
     low = pages.nan_to_num(float("inf")).amin(1)
     return (high @ anchor[0].clamp(min=0) + low @ anchor[0].clamp(max=0))[None], candidate
+
+
+@dataclasses.dataclass(kw_only=True)
+class MeansAndBounds(CHESSPress):
+    """CHESS selecting by eq. 4's score plus the page bound, each standardised over the row's candidate pages (the
+    `--bounds` rule), at every selection, to measure its answers. A trace, not a press: one row, one generation at
+    a time, the bounds recomputed from the store at each selection (`bound_scores`), the model held here."""
+
+    model: Any = dataclasses.field(default=None, repr=False)
+
+    def end_forward(self, cache, logits):
+        self._cache = cache  # (the trace's one generation: `select` reads its store)
+        super().end_forward(cache, logits)
+
+    def select(self, page_sums, lengths):
+        vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
+        bound, _ = bound_scores(self.model, self._cache, self, int(lengths[0]))
+        mean = (vectors @ anchor[:, :, None])[..., 0]
+        return self.select_by(standardised(mean, candidate) + standardised(bound, candidate), candidate)
+
+
+def answers(model, tokenizer, args) -> None:
+    """Greedy answers of the default CHESS and of `MeansAndBounds` on the swept prompts, scored as `sparsekv
+    eval` scores them."""
+    task = TASKS[args.task]
+    presses = {"page means (the default)": CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max"),
+               "page means + page bounds, standardised": MeansAndBounds(ratio=args.ratio, page_size=args.page_size,
+                                                                        pooling="max", model=model)}
+    scores = {name: [] for name in presses}
+    for _, sample, ids, _ in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
+                                  total=args.samples, desc="samples"):
+        for name, press in presses.items():
+            with press(model):
+                out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=False)
+            reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            scores[name].append(score(reply, sample.answers, sample.metric))
+    print(f"{args.model}, {args.task}, {args.length} tokens, ratio {args.ratio}, {args.samples} samples: answers")
+    rows = [{"rule": name, "score": 100 * sum(v) / len(v)} for name, v in scores.items()]
+    print(format_table(rows, [("rule", "rule", ""), ("score %", "score", ".1f")]))
 
 
 QUERY_WINDOW = 32  # prompt queries averaged into the query anchor (SnapKV's observation window)
@@ -115,8 +160,12 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=32, help="tokens per page (default: 32, the paper's)")
     parser.add_argument("--bounds", action="store_true", help="add the page-bound rule (see above)")
     parser.add_argument("--queries", action="store_true", help="add the query-anchor rule (see above)")
+    parser.add_argument("--answers", action="store_true", help="instead: the answers of CHESS (the default) and "
+                        "of CHESS selecting by means + bounds (see above), generated greedily")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
+    if args.answers:
+        return answers(model, tokenizer, args)
     presses = rules(args.ratio, args.page_size)
     query_rule = f"anchor: the last {QUERY_WINDOW} prompt queries (before RoPE), max pooling"
     if args.queries:

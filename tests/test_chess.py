@@ -371,3 +371,23 @@ def test_chess_rules_query_anchor_is_in_the_page_vectors_layout():
         for head in range(kv):  # query head j belongs to KV head j // (h // kv), as transformers' repeat_kv has it
             group = [j for j in range(h) if j // (h // kv) == head]
             torch.testing.assert_close(block[head], sum(q[0, :, j].mean(0) for j in group))
+
+
+def test_chess_rules_means_and_bounds_selects_as_many_pages():
+    """`benchmarks/chess_rules.py --answers`' traced rule: it changes which pages CHESS selects, not how many
+    (the same Algorithm 1 at the same budget), and generates."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from chess_rules import MeansAndBounds
+
+    model = make_model("llama")
+    ids = prompt(200)
+    selected = {}
+    for name, press in {"means": CHESSPress(ratio=0.3, page_size=16, pooling="max"),
+                        "means + bounds": MeansAndBounds(ratio=0.3, page_size=16, pooling="max", model=model)}.items():
+        with press(model):
+            out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        assert out.sequences.shape[1] == ids.shape[1] + 3
+        selected[name] = out.cache.state.selected
+    assert selected["means"].sum() == selected["means + bounds"].sum() > 0
