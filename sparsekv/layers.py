@@ -123,8 +123,9 @@ class KVLayer(RowState, CacheLayerMixin):
             if torch.is_grad_enabled() or key_states.requires_grad:
                 self._append("_keys", key_states)
                 self._append("_values", value_states)
-            else:  # generate's steps: the short way
-                self._keys, self._values = append_step(self._keys, key_states), append_step(self._values, value_states)
+            else:  # generate's steps: straight into the buffers (`_append`'s checks are for the other cases)
+                self._keys = append_in_place(self._keys, key_states, 2)
+                self._values = append_in_place(self._values, value_states, 2)
             self.unwritten += 1
         else:
             if self.unwritten:
@@ -555,19 +556,6 @@ def victim_indices(victim: torch.Tensor, width: int) -> tuple[torch.Tensor, torc
     layers at once (stacked victims), in the same few ops as for one."""
     slot = victim[..., None]
     return slot, slot[..., None].expand(*slot.shape, width)
-
-
-def append_step(current: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """`append_in_place(current, new, 2)` for one decoding step's slot of keys or values `(batch, heads, 1, d)`:
-    its common case (room behind `current`) in as few Python calls and ops as it takes, since a step at batch 1
-    on a GPU costs what its host does."""
-    room, n = current._base, current.shape[2]
-    if (room is None or room.shape[2] <= n or current.storage_offset() != room.storage_offset()
-            or current.stride() != room.stride() or current.shape[:2] != room.shape[:2]
-            or current.shape[3] != room.shape[3]):
-        return append_in_place(current, new, 2)
-    room[:, :, n : n + 1] = new
-    return room[:, :, : n + 1]
 
 
 def is_prefix(t: torch.Tensor, base: torch.Tensor, dim: int) -> bool:
