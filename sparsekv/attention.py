@@ -9,6 +9,7 @@ given as `position_embeddings`: Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma3.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,17 +43,28 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
     `grouped`: summed over the query heads of each KV head's GQA group, `(batch, kv_heads, tokens, head_dim)`.
     RoPE turns every head of a token alike, so a group is summed before it is rotated (one rotation per group).
     `rope_matrix`: that rotation as `rope_matrix(position_embeddings)` made it (one token), applied in one op;
-    `(d, d)` when every row has the same position.
+    `(d, d)` when every row has the same position. With `grouped`, it may be given tiled (`tile_rope`).
     """
     b, n, width = projected.shape
     d = module.head_dim
     if width != module.config.num_attention_heads * d:  # a fused qkv output: keep its queries only
         projected = projected[..., : module.config.num_attention_heads * d]
     q = projected
-    if hasattr(module, "q_norm") or grouped or rope_matrix is None:  # else a step's heads need no 4D view
-        q = q.reshape(b, n, -1, d)
     if hasattr(module, "q_norm"):
-        q = module.q_norm(q)
+        q = module.q_norm(q.reshape(b, n, -1, d))
+    elif not grouped and rope_matrix is None:  # else a step's heads need no 4D view
+        q = q.reshape(b, n, -1, d)
+    if grouped and rope_matrix is not None:  # one token: its group's sum and rotation are one product
+        kv = module.config.num_key_value_heads
+        width = module.config.num_attention_heads // kv * d  # a KV head's query heads, side by side
+        matrix = rope_matrix if rope_matrix.dtype == q.dtype else rope_matrix.to(q.dtype)
+        if matrix.shape[-2] != width:  # not tiled by the caller
+            matrix = tile_rope(matrix, width // d)
+        if matrix.dim() == 4 and matrix.shape[0] == 1:
+            matrix = matrix.view(width, d)
+        if matrix.dim() == 2:  # (batch * kv_heads, group * d) @ (group * d, d)
+            return (q.reshape(b * kv, width) @ matrix).view(b, kv, 1, d)
+        return torch.bmm(q.reshape(b, kv, width), matrix.view(b, width, d)).unsqueeze(2)
     if grouped:
         q = q.reshape(b, n, module.config.num_key_value_heads, -1, d).sum(3)
     if rope_matrix is not None:  # one token: a plain (batched) product, no broadcast copy of the matrix
@@ -63,6 +75,13 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
             return (q.reshape(-1, d) @ matrix).view(b, -1, 1, d)
         return torch.bmm(q.reshape(b, -1, d), matrix.view(b, d, d)).unsqueeze(2)
     return rotate(q.transpose(1, 2), position_embeddings)
+
+
+def tile_rope(matrix: torch.Tensor, group: int) -> torch.Tensor:
+    """A step's RoPE matrix `(d, d)` or `(batch, 1, d, d)` stacked `group` times along its rows: the queries of a
+    KV head's `group` query heads, side by side, times it are their sum rotated (`shape_queries(grouped=True)`),
+    one product where summing and rotating are five ops."""
+    return matrix.repeat(group, 1) if matrix.dim() == 2 else matrix.repeat(1, 1, group, 1)
 
 
 def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
@@ -137,6 +156,7 @@ class AttentionCall:
         rope: RoPE of a one-token input as a matrix (`rope_matrix`), made once per forward by the cache for
             every layer's `queries()`; None: rotate as the module does.
         scaled_rope: the same times the module's attention scaling (`queries(scaled=True)`).
+        tile: `(matrix, group) -> tile_rope(matrix, group)`, made once per forward (`queries(grouped=True)`).
     """
 
     module: torch.nn.Module
@@ -148,6 +168,7 @@ class AttentionCall:
     capture: bool = False
     rope: torch.Tensor | None = None
     scaled_rope: torch.Tensor | None = None
+    tile: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     @property
     def q_len(self) -> int:
@@ -161,6 +182,9 @@ class AttentionCall:
         if self.projected is not None and start == 0 and end is None:  # every token: nothing to cut (a step)
             rope = self.scaled_rope if scaled else self.rope
             if rope is not None:
+                if grouped and self.tile is not None:
+                    config = self.module.config
+                    rope = self.tile(rope, config.num_attention_heads // config.num_key_value_heads)
                 return shape_queries(self.module, self.projected, self.position_embeddings, grouped, rope)
             q = shape_queries(self.module, self.projected, self.position_embeddings, grouped)
         else:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Hashable
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from .attention import AttentionCall, rope_matrix
+from .attention import AttentionCall, rope_matrix, tile_rope
 from .layers import (  # noqa: F401 (re-exported)
     GROW, KVLayer, StoreLayer, allocated, append_in_place, buffer_of, victim_indices,
 )
@@ -71,6 +71,7 @@ class Forward:
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
     rope: tuple | None = None  # `(cos, head_dim, scaling, matrices)`: the step's RoPE, made once for its layers
+    tiles: dict = field(default_factory=dict)  # `tiled`'s, for the matrices of `rope`
 
     def rope_matrices(self, position_embeddings, head_dim: int, scaling: float) -> tuple:
         """`attention.rope_matrix` of this forward's one token, plain and times `scaling`, made by its first
@@ -83,7 +84,15 @@ class Forward:
                 plain = plain.view(head_dim, head_dim)
             scaled = None if plain is None else plain * scaling
             self.rope = (cos, head_dim, scaling, (plain, scaled))
+            self.tiles = {}
         return self.rope[3]
+
+    def tiled(self, matrix: torch.Tensor, group: int) -> torch.Tensor:
+        """`tile_rope(matrix, group)` of one of this forward's matrices, made by its first layer that asks."""
+        key = (id(matrix), group)
+        if key not in self.tiles:  # the matrix is held by `rope` for as long as its tiles are
+            self.tiles[key] = tile_rope(matrix, group)
+        return self.tiles[key]
 
 
 @dataclass
@@ -221,6 +230,7 @@ class SparseCache(RowState, Cache):
         call.capture = self.press.reads_step_queries and layer.logical_len > 0  # after the prompt
         if call.capture and forward.q_len == 1:
             call.rope, call.scaled_rope = forward.rope_matrices(position_embeddings, module.head_dim, module.scaling)
+            call.tile = forward.tiled
         if self.press.selects_before_attention:
             self.press.before_attention(self, layer, call)
         if not layer.compressed:
@@ -248,9 +258,9 @@ class SparseCache(RowState, Cache):
             return  # projection (run from `on_queries` itself)
         call.projected = projected
         layer = self.layers[layer_idx]
-        slots, valid = layer.slots, layer.held_valid()  # as held: reading `valid` would settle an eviction
+        slots, layouts = layer.slots, layer.layouts  # (reading `valid` would settle an eviction, write the tail)
         self.press.on_queries(self, layer, call)
-        if layer.slots != slots or layer.held_valid() is not valid:  # the mask was built for this layout
+        if layer.slots != slots or layer.layouts != layouts:  # the mask was built for this layout
             raise RuntimeError(f"{type(self.press).__name__}.on_queries changed layer {layer_idx}'s slots or their "
                                "validity after its mask was built; rewrite what slots hold, not how many there are.")
 

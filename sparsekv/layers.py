@@ -54,6 +54,8 @@ class _Written(_Settled):
     def __set__(self, layer, value):
         if layer.__dict__.get("unwritten"):
             layer.write_tail()
+        if self.private == "_valid":  # a new layout (appends write `_valid` itself, and do not count)
+            layer.__dict__["layouts"] = layer.__dict__.get("layouts", 0) + 1
         super().__set__(layer, value)
 
 
@@ -90,6 +92,7 @@ class KVLayer(RowState, CacheLayerMixin):
         self.pending: torch.Tensor | None = None  # first: the tensors' reads check these two
         self.pending_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # `victim_indices(pending)`, if given
         self.unwritten = 0  # the last slots' positions and validity, not written yet (`write_tail`)
+        self.layouts = 0  # validity tensors set so far: a new one is a new layout, which a mask built may not fit
         super().__init__()
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -444,7 +447,10 @@ class StoreLayer(KVLayer):
 
     def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor) -> None:
         """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
-        from the store and one write per tensor, every head at once)."""
+        from the store and one write per tensor, every head at once).
+
+        The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
+        tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""
         if self.store_keys.device == row.device:
             self.keys[row, head, target] = self.store_keys[row, head, slot]
             self.values[row, head, target] = self.store_values[row, head, slot]
@@ -452,7 +458,8 @@ class StoreLayer(KVLayer):
             index = flat_index(self.store_keys, row, head, slot)
             self.keys[row, head, target] = gather_rows(self.store_keys, index).to(self.device, non_blocking=True)
             self.values[row, head, target] = gather_rows(self.store_values, index).to(self.device, non_blocking=True)
-        self.positions[row, head, target] = self.store_positions[row, slot]
+        positions = self.positions if self.pending is not None else self.__dict__["_positions"]
+        positions[row, head, target] = self.store_positions[row, slot]
 
     def crop_to(self, length: int) -> None:
         if self.is_initialized and length < self.logical_len and self.records_tokens and not self.compressed:

@@ -365,6 +365,16 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     for grouped in (False, True):
         torch.testing.assert_close(shape_queries(module, projected, shared, grouped, plain),
                                    shape_queries(module, projected, shared, grouped), rtol=1e-5, atol=1e-5)
+    # Grouped queries: a KV head's query heads side by side times the matrix tiled (made once per forward).
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert group > 1
+    for pe in (shared, cos_sin):
+        forward = Forward(None, None, 1)
+        step, _ = forward.rope_matrices(pe, module.head_dim, module.scaling)
+        tiled = forward.tiled(step, group)
+        assert tiled is forward.tiled(step, group) and tiled.shape[-2:] == (group * module.head_dim, module.head_dim)
+        torch.testing.assert_close(shape_queries(module, projected, pe, True, tiled),
+                                   shape_queries(module, projected, pe, True), rtol=1e-5, atol=1e-5)
     phi3 = make_model("phi3")
     half = phi3.model.rotary_emb(hidden, positions)
     assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None

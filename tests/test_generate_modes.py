@@ -167,7 +167,7 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
         cropped = model(ids).cache
         before = [layer.state.query_sum.clone() for layer in cropped.layers] if sentence else []
         model(extra, cache=cropped, logits_to_keep=3)  # a draft being verified, as generate asks for it
-        kept = [layer.state.step_queries[:, :, 0] for layer in cropped.layers] if sentence else []
+        kept = [layer.state.step_queries[:, :, :1] for layer in cropped.layers] if sentence else []
         cropped.crop(-2)
         direct = model(ids).cache
         model(extra[:, :1], cache=direct)
@@ -186,7 +186,7 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
         # on what attention read, so there it equals the direct forward's; a deeper layer's query of the kept token
         # does (the draft's selection was made with all three tokens' queries): there it is the draft forward's.
         torch.testing.assert_close(cropped.layers[0].state.query_sum, direct.layers[0].state.query_sum)
-        ends = closes_sentence(make_tokenizer(), extra[:, 0])[:, None, None]
+        ends = closes_sentence(make_tokenizer(), extra[:, 0])[:, None, None, None]
         for layer, sum_before, query in zip(cropped.layers, before, kept):
             torch.testing.assert_close(layer.state.query_sum, torch.where(ends, 0.0, sum_before + query))
 
@@ -283,9 +283,18 @@ def test_query_time_selection_may_not_change_the_layout():
             layer.select(torch.zeros(*layer.positions.shape[:2], 3, dtype=torch.long, device=layer.positions.device),
                          torch.ones(layer.valid.shape[0], 3, dtype=torch.bool, device=layer.valid.device))
 
+    @dataclasses.dataclass(kw_only=True)
+    class Revalidates(SnapKVPress):  # as many slots, a new validity
+        reads_step_queries: ClassVar[bool] = True
+
+        def on_queries(self, cache, layer, call):
+            idx = torch.arange(layer.slots, device=layer.positions.device).expand(*layer.positions.shape[:2], -1)
+            layer.select(idx, layer.valid.clone())
+
     model = make_model("llama")
-    with Shrinks(ratio=0.5, window_size=8)(model), pytest.raises(RuntimeError, match="after its mask was built"):
-        greedy(model, prompt(32), new=3)
+    for press in (Shrinks(ratio=0.5, window_size=8), Revalidates(ratio=0.5, window_size=8)):
+        with press(model), pytest.raises(RuntimeError, match="after its mask was built"):
+            greedy(model, prompt(32), new=3)
 
 
 # --- configuration ------------------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     layer.state.sentence_sizes = torch.tensor([[[4, 4]]])
     layer.state.slot_room = loading_room(layer.state.slot_sentence, layer.state.sentence_sizes, layer.state.fill)
     layer.state.sentence_keys = torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None]
-    layer.state.query_sum = torch.zeros(1, 1, d)
+    layer.state.query_sum = torch.zeros(1, 1, 1, d)
     layer.state.device_slot = torch.zeros(1, 1, store, dtype=torch.long)
     return layer
 
@@ -207,7 +207,7 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
             cos, sin = kw["position_embeddings"]
             queries = project_queries(model.model.layers[i].self_attn, kw["hidden_states"][:1, last:],
                                       (cos[:1, last:], sin[:1, last:]))
-            per_kv_head = queries.sum(dim=2).view(1, layer.keys.shape[1], -1, queries.shape[-1]).sum(dim=2)
+            per_kv_head = queries.sum(dim=2).view(1, layer.keys.shape[1], -1, queries.shape[-1]).sum(dim=2, keepdim=True)
             expected = per_kv_head if p.prompt_sentence else torch.zeros_like(layer.state.query_sum[:1])
             torch.testing.assert_close(layer.state.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
             assert not layer.state.query_sum[1].any()
@@ -270,10 +270,10 @@ def test_a_sentence_bound_is_the_most_any_of_its_keys_can_score():
     one-token sentence; a sentence holding the one key that matches the query outranks those without, which
     the mean of its keys does not (the matching key diluted by the others)."""
     gen = torch.Generator().manual_seed(0)
-    d, q = 8, torch.randn(1, 1, 8, generator=gen)
+    d, q = 8, torch.randn(1, 1, 1, 8, generator=gen)
     noise = torch.randn(1, 1, 2, 6, d, generator=gen) * 0.5  # 2 sentences of 6 tokens
-    noise[0, 0, 0, 0] = q[0, 0] * 2  # sentence 0 holds a key matching the query ...
-    noise[0, 0, 0, 1:] -= q[0, 0] * 0.6  # ... among keys that turn away from it
+    noise[0, 0, 0, 0] = q[0, 0, 0] * 2  # sentence 0 holds a key matching the query ...
+    noise[0, 0, 0, 1:] -= q[0, 0, 0] * 0.6  # ... among keys that turn away from it
     single = torch.randn(1, 1, 1, d, generator=gen)  # sentence 2: one token
     keys = [noise[:, :, 0], noise[:, :, 1], single]
     bounds = torch.stack([torch.cat([k.amax(2), k.amin(2)], -1) for k in keys], dim=2)
@@ -281,8 +281,8 @@ def test_a_sentence_bound_is_the_most_any_of_its_keys_can_score():
     score = {v: SentencePress.similarity(SimpleNamespace(state=SimpleNamespace(query_sum=q, sentence_keys=k)))[0, 0]
              for v, k in (("bounds", bounds), ("mean", means))}
     for s, k in enumerate(keys):
-        assert bool((score["bounds"][s] >= (k[0, 0] @ q[0, 0]).max() - 1e-5).all())
-    torch.testing.assert_close(score["bounds"][2], single[0, 0, 0] @ q[0, 0])
+        assert bool((score["bounds"][s] >= (k[0, 0] @ q[0, 0, 0]).max() - 1e-5).all())
+    torch.testing.assert_close(score["bounds"][2], single[0, 0, 0] @ q[0, 0, 0])
     assert score["bounds"][0] > score["bounds"][1] and score["mean"][0] < score["mean"][1]
 
 
@@ -307,10 +307,10 @@ def test_chosen_slots_are_the_best_sentences_first_tokens_up_to_fill(seed):
     fill = torch.randint(1, int(sizes.sum(-1).min()) + 1, (b, 1, 1), generator=gen)
     layer = SimpleNamespace(state=SimpleNamespace(
         sentence_sizes=sizes, slot_sentence=slot_sentence.expand(b, h, slots),
-        sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen), query_sum=torch.randn(b, h, d, generator=gen)))
+        sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen), query_sum=torch.randn(b, h, 1, d, generator=gen)))
     layer.state.slot_room = loading_room(slot_sentence, sizes, fill)
     chosen = SentencePress._chosen(layer)
-    similarity = torch.einsum("bhd,bhsd->bhs", layer.state.query_sum, layer.state.sentence_keys)
+    similarity = torch.einsum("bhxd,bhsd->bhs", layer.state.query_sum, layer.state.sentence_keys)
     for row in range(b):
         for head in range(h):
             expected, left = torch.zeros(slots, dtype=torch.bool), int(fill[row])

@@ -35,7 +35,7 @@ class SentenceLayerState(RowState):
 
     loaded: int = 0  # slots of the loaded region
     sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim) eq. 1; (..., 2 head_dim) bounds
-    query_sum: torch.Tensor | None = None  # (batch, kv_heads, head_dim): the sentence being generated
+    query_sum: torch.Tensor | None = None  # (batch, kv_heads, 1, head_dim): the sentence being generated
     resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
     device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
     fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
@@ -195,7 +195,7 @@ class SentencePress(SnapKVPress):
         keep = resident.nonzero()[:, 1].view(b, -1)  # every row has exactly n_sinks + window_size resident
         slots = torch.cat([keep.new_zeros(b, layer.state.loaded), keep], dim=1)[:, None].expand(b, h, -1)
         layer.select(slots, torch.cat([real, valid.gather(1, keep)], dim=1))
-        layer.state.query_sum = torch.zeros(b, h, layer.keys.shape[-1], device=device, dtype=torch.float32)
+        layer.state.query_sum = torch.zeros(b, h, 1, layer.keys.shape[-1], device=device, dtype=torch.float32)
         if self.prompt_sentence:
             self._seed_queries(cache, layer, call)
         layer.state.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
@@ -266,7 +266,8 @@ class SentencePress(SnapKVPress):
         if not bool(last.any()):
             return
         start = int(last.long().argmax(dim=1).where(last.any(dim=1), last.shape[1]).min())
-        layer.state.query_sum += (call.queries(start, grouped=True).float() * last[:, None, start:, None]).sum(dim=2)
+        queries = call.queries(start, grouped=True).float() * last[:, None, start:, None]
+        layer.state.query_sum += queries.sum(dim=2, keepdim=True)
 
     # --- decoding --------------------------------------------------------------------------------------------
     def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
@@ -276,7 +277,7 @@ class SentencePress(SnapKVPress):
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if call.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
-        layer.state.query_sum += queries[:, :, 0] if queries.shape[2] == 1 else queries.sum(dim=2)  # one token: a view
+        layer.state.query_sum += queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
         layer.state.step_queries, layer.state.before_reset = queries, None  # kept for `crop`, no copy
         chosen = self._chosen(layer)
         cache.seconds["select"] += time.perf_counter() - start
@@ -296,7 +297,7 @@ class SentencePress(SnapKVPress):
             query = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)
         # A product and a sum, not a matmul: BLAS sends even this (S x d) product to its thread pool, which with
         # other work on the cores took 108 us a call against 16 (idle, a step costs the same either way).
-        return (keys * query[:, :, None]).sum(dim=-1)
+        return (keys * query).sum(dim=-1)
 
     @classmethod
     def _chosen(cls, layer) -> torch.Tensor:
@@ -359,7 +360,7 @@ class SentencePress(SnapKVPress):
             if removed > q:
                 raise ValueError(f"SentencePress: can only crop the last forward's {q} tokens; asked for {removed}.")
             total = state.query_sum if state.before_reset is None else state.before_reset
-            state.query_sum = total - state.step_queries[:, :, q - removed:].sum(dim=2)
+            state.query_sum = total - state.step_queries[:, :, q - removed:].sum(dim=2, keepdim=True)
             if removed < q:  # the forward's last kept token may end a sentence
                 ends = closes_sentence(self.tokenizer, ids[:, q - removed - 1]).to(state.query_sum.device)
                 state.query_sum[ends] = 0.0
