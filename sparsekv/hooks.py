@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -121,6 +122,8 @@ def _before_model(inst: Installation, module, args, kwargs):
     elif not isinstance(cache, SparseCache):
         _refuse(inst, cache)
         return None
+    if cache.prompt_lengths is None and not inst.press.reads_prompt_in_pieces:
+        _refuse_prompt_in_pieces(inst)
     inputs = kwargs.get("input_ids", args[0] if args else None)
     shape = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape
     draft = 0 if args else _draft_length(kwargs, cache, shape[1])  # generate passes keywords only
@@ -131,6 +134,26 @@ def _before_model(inst: Installation, module, args, kwargs):
     cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0], draft=verifies)
     inst.running.cache = cache
     return args, kwargs
+
+
+def _refuse_prompt_in_pieces(inst: Installation) -> None:
+    """A first forward that is one of several pieces of the prompt (generate's `prefill_chunk_size`) is refused:
+    the press would compress the first piece alone, before the rest of the prompt (its question) is read.
+
+    A forward is not told that it is a piece, so this reads the pieces from generate's own prefill (the
+    `input_chunks` of `GenerationMixin._prefill`, a frame up the stack; read once per generation).
+    """
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name != "_prefill":
+        frame = frame.f_back
+    chunks = frame.f_locals.get("input_chunks") if frame is not None else None
+    if chunks is not None and len(chunks) > 1:
+        name = type(inst.press).__name__
+        raise ValueError(f"sparsekv: {name} compresses the prompt in the forward that reads it, and generate's "
+                         f"prefill_chunk_size={chunks[0].shape[-1]} splits this prompt into {len(chunks)} forwards: "
+                         "the first piece would be compressed alone, before the rest (the question) is read. Leave "
+                         "prefill_chunk_size unset inside `with press(model):` (CHESSPress reads a prompt in "
+                         "pieces).")
 
 
 def _draft_length(kwargs, cache: SparseCache, q: int) -> int:

@@ -71,6 +71,9 @@ class Press:
         selects_before_attention: `before_attention` is called.
         reads_step_queries: decoding steps capture each layer's query projection for `call.queries()`, and
             `on_queries` is called.
+        reads_prompt_in_pieces: a prompt given in several forwards (generate's `prefill_chunk_size`) is
+            compressed as the whole prompt would be; when False (a press that compresses the prompt in the forward
+            that reads it), such a generation is refused.
     """
 
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
@@ -81,6 +84,7 @@ class Press:
     reads_input_ids: ClassVar[bool] = False
     selects_before_attention: ClassVar[bool] = False
     reads_step_queries: ClassVar[bool] = False
+    reads_prompt_in_pieces: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

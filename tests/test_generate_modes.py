@@ -191,6 +191,25 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
             torch.testing.assert_close(layer.state.query_sum, torch.where(ends, 0.0, sum_before + query))
 
 
+# --- a prompt in pieces (generate's prefill_chunk_size) ----------------------------------------------------------
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_a_prompt_in_pieces_is_compressed_whole_or_refused(press_cls):
+    """A press that reads a prompt in pieces (CHESS) answers as with the prompt in one forward, padded rows
+    included; every other press refuses it, naming the option, instead of compressing the first piece alone (it
+    used to: SnapKV kept a quarter of the first piece and every later token). One piece is a plain prompt."""
+    model = make_model("llama").double()
+    ids, mask = padded_batch(96)
+    with tiny_press(press_cls)(model):
+        whole = greedy(model, ids, mask, new=6)
+        assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=96), whole)
+        if press_cls.reads_prompt_in_pieces:
+            assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=32), whole)
+        else:
+            with pytest.raises(ValueError, match=r"prefill_chunk_size=32 splits this prompt into 3 forwards"):
+                greedy(model, ids, mask, new=6, prefill_chunk_size=32)
+    assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=32), greedy(model, ids, mask, new=6))
+
+
 # --- reset, batch selection and repetition, copies ---------------------------------------------------------------
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
 def test_reset_then_reuse_equals_a_fresh_cache(press_cls):

@@ -151,6 +151,7 @@ class CHESSPress(Press):
     pooling: str | None = None  # "max", or "mean" with `paper`
     paper: bool = False
     selects_before_attention: ClassVar[bool] = True
+    reads_prompt_in_pieces: ClassVar[bool] = True  # it keeps every token and selects again after a continued prompt
 
     def __post_init__(self):
         name = type(self).__name__
