@@ -124,6 +124,11 @@ def _before_model(inst: Installation, module, args, kwargs):
         return None
     if cache.prompt_lengths is None and not inst.press.reads_prompt_in_pieces:
         _refuse_prompt_in_pieces(inst)
+    if kwargs.get("output_attentions"):
+        inst.warn("output_attentions", f"sparsekv: output_attentions under {type(inst.press).__name__}: a compressed "
+                                       "layer's weights are over the slots its cache holds, in slot order "
+                                       "(`cache.layers[i].positions` gives each slot's position), not over every "
+                                       "position.")
     inputs = kwargs.get("input_ids", args[0] if args else None)
     shape = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape
     draft = 0 if args else _draft_length(kwargs, cache, shape[1])  # generate passes keywords only

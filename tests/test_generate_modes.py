@@ -278,6 +278,19 @@ def test_use_cache_false_and_a_users_dynamic_cache_are_said(caplog):
     assert not isinstance(out.cache, SparseCache) and out.cache.get_seq_length() == 66  # uncompressed
 
 
+def test_output_attentions_over_slots_is_said(caplog):
+    """A compressed layer's attention weights cover its slots, not every position: said once per block, and the
+    slots' positions say what each weight is over."""
+    model = make_model("llama", "eager")
+    with caplog.at_level(logging.WARNING, logger="sparsekv"), SnapKVPress(ratio=0.25, window_size=8)(model):
+        out = greedy(model, prompt(64), new=3, output_attentions=True, return_dict_in_generate=True)
+        greedy(model, prompt(64), new=3, output_attentions=True)
+    messages = [r.getMessage() for r in caplog.records if r.name == "sparsekv"]
+    assert len(messages) == 1 and "output_attentions" in messages[0] and "positions" in messages[0]
+    step = out.attentions[-1][0]  # the last step's, layer 0: over the 16 kept slots and the steps' tokens
+    assert step.shape[-1] == out.cache.layers[0].positions.shape[-1] == 16 + 2
+
+
 @pytest.mark.parametrize("implementation", ["static", "offloaded"])
 def test_caches_a_press_cannot_compress_are_refused(implementation):
     model = make_model("llama")
