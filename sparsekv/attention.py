@@ -157,6 +157,10 @@ class AttentionCall:
             every layer's `queries()`; None: rotate as the module does.
         scaled_rope: the same times the module's attention scaling (`queries(scaled=True)`).
         tile: `(matrix, group) -> tile_rope(matrix, group)`, made once per forward (`queries(grouped=True)`).
+        offset: the input's first token's index in the prompt, when the call stands for a prompt read in pieces
+            (the last piece and the tail of the earlier ones before it, `SparseCache` and `Press.prompt_tail`):
+            `queries(start, end)` and `valid()` then count tokens from the prompt's start, and `input_valid`
+            covers the prompt from its start.
     """
 
     module: torch.nn.Module
@@ -169,6 +173,7 @@ class AttentionCall:
     rope: torch.Tensor | None = None
     scaled_rope: torch.Tensor | None = None
     tile: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    offset: int = 0
 
     @property
     def q_len(self) -> int:
@@ -189,7 +194,11 @@ class AttentionCall:
             q = shape_queries(self.module, self.projected, self.position_embeddings, grouped)
         else:
             cos, sin = self.position_embeddings
-            sl = slice(start, end)
+            if start < self.offset:
+                raise ValueError(f"sparsekv: the press reads prompt token {start}'s queries, but a prompt read in "
+                                 f"pieces keeps the layer inputs of its tokens from {self.offset} on only; "
+                                 "`Press.prompt_tail` must cover every token `compress` reads.")
+            sl = slice(start - self.offset, None if end is None else end - self.offset)
             if self.projected is not None:
                 q = shape_queries(self.module, self.projected[:, sl], (cos[:, sl], sin[:, sl]), grouped)
             else:
@@ -197,11 +206,11 @@ class AttentionCall:
         return q * self.module.scaling if scaled else q
 
     def valid(self) -> torch.Tensor:
-        """`(batch, q)` validity of the input tokens."""
+        """`(batch, q)` validity of the input tokens (`(batch, offset + q)` from the prompt's start: `offset`)."""
         if self.input_valid is not None:
             return self.input_valid.to(self.hidden_states.device)
         b, n = self.hidden_states.shape[:2]
-        return torch.ones(b, n, dtype=torch.bool, device=self.hidden_states.device)
+        return torch.ones(b, self.offset + n, dtype=torch.bool, device=self.hidden_states.device)
 
     def prefill_probs(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Attention of prefill queries `start:end` over the prompt `keys` (causal, padding masked).

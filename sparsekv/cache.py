@@ -71,6 +71,7 @@ class Forward:
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
     rope: tuple | None = None  # `(cos, head_dim, scaling, matrices)`: the step's RoPE, made once for its layers
+    pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
     tiles: dict = field(default_factory=dict)  # `tiled`'s, for the matrices of `rope`
 
     def rope_matrices(self, position_embeddings, head_dim: int, scaling: float) -> tuple:
@@ -130,6 +131,49 @@ class CacheStats:
 
 
 
+@dataclass
+class PromptPieces(RowState):
+    """A prompt read in several forwards (generate's `prefill_chunk_size`), until its last piece.
+
+    The layers hold every piece's KV uncompressed; the press compresses at the last piece, as it would the whole
+    prompt, from an `AttentionCall` that stands for it: the last piece's layer inputs after the last `tail` tokens'
+    of the earlier pieces (`Press.prompt_tail`: what `compress` reads, e.g. SnapKV's window), and the validity of
+    the whole prompt. Only that tail is kept, never the prompt's activations.
+
+    Attributes:
+        tail: tokens of layer inputs kept from the earlier pieces.
+        length: prompt tokens read so far (padding included).
+        valid: `(batch, length)` which of them are real.
+        inputs: per layer index, the last `tail` tokens' `(hidden_states, cos, sin)`.
+    """
+
+    tail: int
+    length: int = 0
+    valid: torch.Tensor | None = None
+    inputs: dict = field(default_factory=dict)
+
+    def read(self, valid: torch.Tensor) -> None:
+        """A piece's validity `(batch, q)`, before its layers run."""
+        self.valid = valid if self.valid is None else torch.cat([self.valid, valid.to(self.valid.device)], dim=1)
+        self.length = self.valid.shape[1]
+
+    def call(self, call: AttentionCall, last: bool) -> AttentionCall | None:
+        """After a layer of a piece: keep its inputs' tail; at the last piece, the call standing for the prompt."""
+        cos, sin = call.position_embeddings
+        kept = self.inputs.get(call.module.layer_idx)
+        if kept is not None:
+            hidden, cos, sin = (torch.cat([a, b.to(a.device)], dim=1)
+                                for a, b in zip(kept, (call.hidden_states, cos, sin)))
+        else:
+            hidden = call.hidden_states
+        if not last:
+            self.inputs[call.module.layer_idx] = tuple(t[:, max(t.shape[1] - self.tail, 0):]
+                                                      for t in (hidden, cos, sin))
+            return None
+        offset = self.length - hidden.shape[1]
+        return AttentionCall(call.module, hidden, (cos, sin), None, self.valid.to(hidden.device), offset=offset)
+
+
 class SparseCache(RowState, Cache):
     """A transformers `Cache` whose full-attention layers are the press's `KVLayer`s; the driver of a forward.
 
@@ -155,6 +199,7 @@ class SparseCache(RowState, Cache):
         super().__init__(layers=layers)
         self.press, self.config = press, config
         self.forward: Forward | None = None
+        self.pieces: PromptPieces | None = None  # a prompt read in pieces, until its last
         self.prompt_lengths: torch.Tensor | None = None
         self.prompt_start: torch.Tensor | None = None
         self.budgets: torch.Tensor | None = None
@@ -201,19 +246,28 @@ class SparseCache(RowState, Cache):
 
     # --- the driver: one forward's events, in order ----------------------------------------------------------
     def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_len: int,
-                      batch: int, draft: bool = False) -> None:
+                      batch: int, draft: bool = False, pieces_left: int = 0) -> None:
         """Open a forward of `q_len` tokens per row; the 2D `attention_mask` tells which are real; `draft`: the
-        tokens are a draft being verified (assisted decoding, prompt lookup), not a continued prompt."""
+        tokens are a draft being verified (assisted decoding, prompt lookup), not a continued prompt;
+        `pieces_left`: the forward is a piece of a prompt read in pieces, and this many follow it (generate's
+        `prefill_chunk_size`; only for presses with a `prompt_tail`)."""
         valid = None  # None: every new token is real (the common case, and the fast path)
         if attention_mask is not None and attention_mask.ndim == 2:
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
-        first = self.prompt_lengths is None
-        self.forward = Forward(input_ids, valid, q_len, continues_prompt=not first and q_len > 1 and not draft)
-        if first:
+        first, piece = self.prompt_lengths is None, self.pieces is not None
+        self.forward = Forward(input_ids, valid, q_len, pieces_left=pieces_left,
+                               continues_prompt=not first and not piece and q_len > 1 and not draft)
+        if first and pieces_left:
+            self.pieces = PromptPieces(self.press.prompt_tail())
+        if first or piece:
             real = valid if valid is not None else torch.ones(batch, q_len, dtype=torch.bool)
-            self.prompt_lengths = real.sum(-1).cpu()
-            self.prompt_start = (q_len - self.prompt_lengths).clamp(min=0)
+            lengths = real.sum(-1).cpu()
+            self.prompt_lengths = lengths if first else self.prompt_lengths + lengths
+            if self.pieces is not None:
+                self.pieces.read(real)
+            seen = self.pieces.length if self.pieces is not None else q_len
+            self.prompt_start = (seen - self.prompt_lengths).clamp(min=0)  # left padding: before the first piece
         if self.press.reads_input_ids and input_ids is None:
             raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
         start = time.perf_counter()
@@ -276,7 +330,12 @@ class SparseCache(RowState, Cache):
         call.weights = weights
         layer = self.layers[layer_idx]
         start = time.perf_counter()
-        if layer.logical_len == call.q_len:  # the first forward of this cache: the prompt
+        if self.pieces is not None:  # a prompt read in pieces: compressed at its last, as a whole
+            call = self.pieces.call(call, last=not self.forward.pieces_left)
+            if call is not None:
+                self.press.compress(self, layer, call)
+            self.seconds["compress"] += time.perf_counter() - start
+        elif layer.logical_len == call.q_len:  # the first forward of this cache: the prompt
             self.press.compress(self, layer, call)
             self.seconds["compress"] += time.perf_counter() - start
         else:
@@ -287,6 +346,8 @@ class SparseCache(RowState, Cache):
         """After the model, with its next-token `logits` `(batch, q, vocab)` (None if it returned none)."""
         if logits is not None:
             self.press.end_forward(self, logits)
+        if self.pieces is not None and not self.forward.pieces_left:
+            self.pieces = None  # the prompt is read and compressed
         self.forward = None
 
     def _open_forward(self, layer_idx: int) -> Forward:

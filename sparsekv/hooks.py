@@ -122,8 +122,6 @@ def _before_model(inst: Installation, module, args, kwargs):
     elif not isinstance(cache, SparseCache):
         _refuse(inst, cache)
         return None
-    if cache.prompt_lengths is None and not inst.press.reads_prompt_in_pieces:
-        _refuse_prompt_in_pieces(inst)
     if kwargs.get("output_attentions"):
         inst.warn("output_attentions", f"sparsekv: output_attentions under {type(inst.press).__name__}: a compressed "
                                        "layer's weights are over the slots its cache holds, in slot order "
@@ -136,29 +134,38 @@ def _before_model(inst: Installation, module, args, kwargs):
         kwargs = _prefill_before_draft(inst, module, kwargs, draft)
         inputs, shape = kwargs.get("input_ids"), (shape[0], draft)
     verifies = bool(draft) or _verifies_draft(kwargs, cache, shape[1])
-    cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0], draft=verifies)
+    prompt = cache.prompt_lengths is None or cache.pieces is not None
+    pieces_left = _pieces_left(inst) if shape[1] > 1 and prompt else 0
+    cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0], draft=verifies,
+                        pieces_left=pieces_left)
     inst.running.cache = cache
     return args, kwargs
 
 
-def _refuse_prompt_in_pieces(inst: Installation) -> None:
-    """A first forward that is one of several pieces of the prompt (generate's `prefill_chunk_size`) is refused:
-    the press would compress the first piece alone, before the rest of the prompt (its question) is read.
+def _pieces_left(inst: Installation) -> int:
+    """When this forward is a piece of a prompt that generate reads in several (`prefill_chunk_size`), how many
+    pieces follow it; else 0. A press that cannot compress such a prompt refuses it (`Press.prompt_tail`),
+    rather than compress its first piece alone, before the rest (the question) is read.
 
-    A forward is not told that it is a piece, so this reads the pieces from generate's own prefill (the
-    `input_chunks` of `GenerationMixin._prefill`, a frame up the stack; read once per generation).
+    A forward is not told that it is a piece, so this reads generate's own prefill (`input_chunks` and `chunk_idx`
+    of `GenerationMixin._prefill`, a frame up the stack), once per piece.
     """
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_name != "_prefill":
         frame = frame.f_back
     chunks = frame.f_locals.get("input_chunks") if frame is not None else None
-    if chunks is not None and len(chunks) > 1:
-        name = type(inst.press).__name__
-        raise ValueError(f"sparsekv: {name} compresses the prompt in the forward that reads it, and generate's "
-                         f"prefill_chunk_size={chunks[0].shape[-1]} splits this prompt into {len(chunks)} forwards: "
-                         "the first piece would be compressed alone, before the rest (the question) is read. Leave "
-                         "prefill_chunk_size unset inside `with press(model):` (CHESSPress reads a prompt in "
-                         "pieces).")
+    if chunks is None or len(chunks) < 2:
+        return 0
+    press = inst.press
+    if press.reads_prompt_in_pieces:
+        return 0  # the press reads the pieces as a prompt and continued prompts itself
+    if press.prompt_tail() is None:
+        raise ValueError(f"sparsekv: {type(press).__name__} cannot compress a prompt read in pieces, and generate's "
+                         f"prefill_chunk_size={chunks[0].shape[-1]} splits this prompt into {len(chunks)} forwards "
+                         "(compressing the first piece alone would lose what the rest, the question, asks for). "
+                         "Leave prefill_chunk_size unset inside `with press(model):`, or use a press that reads a "
+                         "prompt in pieces: SnapKVPress, ChunkPress, StreamingLLMPress, CHESSPress.")
+    return len(chunks) - 1 - frame.f_locals["chunk_idx"]
 
 
 def _draft_length(kwargs, cache: SparseCache, q: int) -> int:

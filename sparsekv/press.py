@@ -71,9 +71,10 @@ class Press:
         selects_before_attention: `before_attention` is called.
         reads_step_queries: decoding steps capture each layer's query projection for `call.queries()`, and
             `on_queries` is called.
-        reads_prompt_in_pieces: a prompt given in several forwards (generate's `prefill_chunk_size`) is
-            compressed as the whole prompt would be; when False (a press that compresses the prompt in the forward
-            that reads it), such a generation is refused.
+        reads_prompt_in_pieces: a prompt given in several forwards (generate's `prefill_chunk_size`) is read
+            as a prompt and continued prompts, with no help from the driver (CHESS, which keeps every token).
+            Otherwise `prompt_tail()` says whether the driver can compress such a prompt at its last piece; when
+            it cannot, the generation is refused.
     """
 
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
@@ -182,6 +183,13 @@ class Press:
                 )
             cache.budgets = budgets
         return cache.budgets
+
+    def prompt_tail(self) -> int | None:
+        """For a prompt read in pieces (generate's `prefill_chunk_size`): how many of its last tokens' layer
+        inputs `compress` reads (their queries), which the driver keeps from the earlier pieces to compress at
+        the last piece as the whole prompt would be (`cache.PromptPieces`). None (the default): `compress` reads
+        more than that (H2O: every query), and such a generation is refused."""
+        return None
 
     @staticmethod
     def keeps_everything(cache: SparseCache) -> bool:

@@ -192,22 +192,55 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
 
 
 # --- a prompt in pieces (generate's prefill_chunk_size) ----------------------------------------------------------
+def reads_pieces(cls) -> bool:
+    return cls.reads_prompt_in_pieces or tiny_press(cls).prompt_tail() is not None
+
+
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
 def test_a_prompt_in_pieces_is_compressed_whole_or_refused(press_cls):
-    """A press that reads a prompt in pieces (CHESS) answers as with the prompt in one forward, padded rows
-    included; every other press refuses it, naming the option, instead of compressing the first piece alone (it
-    used to: SnapKV kept a quarter of the first piece and every later token). One piece is a plain prompt."""
+    """generate's chunked prefill: a press that reads a prompt in pieces keeps the same tokens and answers as with
+    the prompt in one forward, padded rows included, also when the last piece is shorter than SnapKV's window
+    (99 tokens in pieces of 32: the last holds 3); any other press refuses it, naming the option, instead of
+    compressing the first piece alone (SnapKV used to keep a quarter of the first piece and every later token).
+    One piece is a plain prompt."""
     model = make_model("llama").double()
-    ids, mask = padded_batch(96)
+    ids, mask = padded_batch(99)
     with tiny_press(press_cls)(model):
-        whole = greedy(model, ids, mask, new=6)
-        assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=96), whole)
-        if press_cls.reads_prompt_in_pieces:
-            assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=32), whole)
+        whole = greedy(model, ids, mask, new=6, return_dict_in_generate=True)
+        one = greedy(model, ids, mask, new=6, prefill_chunk_size=99, return_dict_in_generate=True)
+        assert torch.equal(one.sequences, whole.sequences)
+        if reads_pieces(press_cls):
+            pieces = greedy(model, ids, mask, new=6, prefill_chunk_size=32, return_dict_in_generate=True)
+            assert torch.equal(pieces.sequences, whole.sequences)
+            assert pieces.cache.pieces is None
+            for a, b in zip(pieces.cache.compressed_layers(), whole.cache.compressed_layers()):
+                assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
         else:
-            with pytest.raises(ValueError, match=r"prefill_chunk_size=32 splits this prompt into 3 forwards"):
+            with pytest.raises(ValueError, match=r"prefill_chunk_size=32 splits this prompt into 4 forwards"):
                 greedy(model, ids, mask, new=6, prefill_chunk_size=32)
-    assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=32), greedy(model, ids, mask, new=6))
+    assert {reads_pieces(c) for c in PRESSES} == {True, False}  # both paths are taken
+
+
+def test_a_prompt_in_pieces_keeps_only_a_tail_of_layer_inputs():
+    """While a prompt is read in pieces the cache keeps each layer's inputs for the last `prompt_tail` tokens
+    only (SnapKV's window), not the prompt's activations, and the layers hold every piece's KV uncompressed."""
+    model = make_model("llama")
+    ids = prompt(99)
+    seen = []
+
+    def watch(module, args, kwargs):
+        cache = kwargs.get("cache")
+        if isinstance(cache, SparseCache) and cache.pieces is not None and cache.pieces.inputs:
+            seen.append(({t.shape[1] for kept in cache.pieces.inputs.values() for t in kept},
+                         cache.layers[0].keys.shape[-2], cache.layers[0].compressed))
+
+    hook = model.register_forward_pre_hook(watch, with_kwargs=True)
+    try:
+        with SnapKVPress(ratio=0.25, window_size=8)(model):
+            greedy(model, ids, new=2, prefill_chunk_size=32)
+    finally:
+        hook.remove()
+    assert seen == [({8}, 32, False), ({8}, 64, False), ({8}, 96, False)]
 
 
 # --- reset, batch selection and repetition, copies ---------------------------------------------------------------

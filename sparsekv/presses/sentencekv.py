@@ -144,6 +144,9 @@ class SentencePress(SnapKVPress):
     def min_kept(self) -> tuple[int, str]:
         return 1, "1 loaded token"
 
+    def prompt_tail(self) -> int | None:
+        return None  # the prompt's sentences, its mean key and its last sentence's queries: not a tail
+
     def new_layer(self, layer_idx: int) -> StoreLayer:
         return StoreLayer(self.offload_device, state=SentenceLayerState())
 

@@ -56,6 +56,9 @@ class SnapKVPress(ScorerPress):
     def min_kept(self) -> tuple[int, str]:
         return self.window_size, f"window_size={self.window_size}"
 
+    def prompt_tail(self) -> int | None:
+        return self.window_size  # the window's queries; the keys are in the cache
+
     def window_scores(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
         """Observation-window attention received by each prompt token, `(batch, kv_heads, prompt)`, pooled.
 

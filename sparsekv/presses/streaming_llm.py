@@ -34,6 +34,9 @@ class StreamingLLMPress(Press):
         if self.budget is not None and self.budget <= self.n_sinks:
             raise ValueError(f"StreamingLLMPress: budget={self.budget} must exceed n_sinks={self.n_sinks}.")
 
+    def prompt_tail(self) -> int | None:
+        return 0  # positions only
+
     def recency(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Newer is higher; sinks (each row's first real tokens) and filler slots are never evicted."""
         start = cache.on("prompt_start", layer.positions.device)[:, None, None]
