@@ -2,7 +2,8 @@
 # One GPU session's runs (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA;
 # on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens, decode steps against the oracle at
 # batch 1 with host synchronisations counted, a profile of a step per press, the steps at batch 8, the largest
-# batch each fits in the full cache's batch-1 memory, `sparsekv bench` rows (prefill, GPU memory, KV bytes);
+# batch each fits in the full cache's batch-1 memory, the prefill's peak with the prompt in pieces,
+# `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
 #
 #   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
@@ -12,7 +13,7 @@ set -u
 TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
-STEPS=" ${*:-tests decode32k_b1 profile32k decode32k_b8 capacity32k bench32k decode128k_b1} "  # names only
+STEPS=" ${*:-tests decode32k_b1 profile32k decode32k_b8 capacity32k chunked32k bench32k decode128k_b1} "  # names only
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -48,6 +49,9 @@ run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --leng
 # The full cache at batch 1 and 32k took 16.06 GB of weights + 7.8 GB at its peak (docs/gpu.md): 24 GB.
 run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
   --presses snapkv,streamingllm,chunkkv,sentencekv --memory-budget 24 --max-batch 16
+# The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
+run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
+  --presses snapkv,streamingllm --new-tokens 4
 run bench32k 100 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 32 \
   --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/bench32k.json"
 run decode128k_b1 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 131000 --batch 1 --steps 16 \

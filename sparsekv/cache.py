@@ -130,7 +130,6 @@ class CacheStats:
         return mean / max(self.logical_tokens, 1)
 
 
-
 @dataclass
 class PromptPieces(RowState):
     """A prompt read in several forwards (generate's `prefill_chunk_size`), until its last piece.

@@ -165,7 +165,12 @@ def _pieces_left(inst: Installation) -> int:
                          "(compressing the first piece alone would lose what the rest, the question, asks for). "
                          "Leave prefill_chunk_size unset inside `with press(model):`, or use a press that reads a "
                          "prompt in pieces: SnapKVPress, ChunkPress, StreamingLLMPress, CHESSPress.")
-    return len(chunks) - 1 - frame.f_locals["chunk_idx"]
+    index = frame.f_locals.get("chunk_idx")
+    if not isinstance(index, int):  # a transformers whose prefill names its pieces otherwise: never guess
+        raise ValueError(f"sparsekv: cannot tell which piece of the prompt this forward is (generate's "
+                         f"prefill_chunk_size={chunks[0].shape[-1]}, this transformers version); leave "
+                         "prefill_chunk_size unset inside `with press(model):`.")
+    return len(chunks) - 1 - index
 
 
 def _draft_length(kwargs, cache: SparseCache, q: int) -> int:

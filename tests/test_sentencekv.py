@@ -207,7 +207,8 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
             cos, sin = kw["position_embeddings"]
             queries = project_queries(model.model.layers[i].self_attn, kw["hidden_states"][:1, last:],
                                       (cos[:1, last:], sin[:1, last:]))
-            per_kv_head = queries.sum(dim=2).view(1, layer.keys.shape[1], -1, queries.shape[-1]).sum(dim=2, keepdim=True)
+            per_kv_head = queries.sum(dim=2).view(1, layer.keys.shape[1], -1, queries.shape[-1])
+            per_kv_head = per_kv_head.sum(dim=2, keepdim=True)
             expected = per_kv_head if p.prompt_sentence else torch.zeros_like(layer.state.query_sum[:1])
             torch.testing.assert_close(layer.state.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
             assert not layer.state.query_sum[1].any()
@@ -307,7 +308,8 @@ def test_chosen_slots_are_the_best_sentences_first_tokens_up_to_fill(seed):
     fill = torch.randint(1, int(sizes.sum(-1).min()) + 1, (b, 1, 1), generator=gen)
     layer = SimpleNamespace(state=SimpleNamespace(
         sentence_sizes=sizes, slot_sentence=slot_sentence.expand(b, h, slots),
-        sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen), query_sum=torch.randn(b, h, 1, d, generator=gen)))
+        sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen),
+        query_sum=torch.randn(b, h, 1, d, generator=gen)))
     layer.state.slot_room = loading_room(slot_sentence, sizes, fill)
     chosen = SentencePress._chosen(layer)
     similarity = torch.einsum("bhxd,bhsd->bhs", layer.state.query_sum, layer.state.sentence_keys)
