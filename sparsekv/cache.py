@@ -137,7 +137,8 @@ class PromptPieces(RowState):
     The layers hold every piece's KV uncompressed; the press compresses at the last piece, as it would the whole
     prompt, from an `AttentionCall` that stands for it: the last piece's layer inputs after the last `tail` tokens'
     of the earlier pieces (`Press.prompt_tail`: what `compress` reads, e.g. SnapKV's window), and the validity of
-    the whole prompt. Only that tail is kept, never the prompt's activations.
+    the whole prompt. Only that tail is kept, never the prompt's activations; a press that reads every prompt
+    query (H2O) reads each piece's as it comes (`Press.read_piece`).
 
     Attributes:
         tail: tokens of layer inputs kept from the earlier pieces.
@@ -156,8 +157,9 @@ class PromptPieces(RowState):
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid.to(self.valid.device)], dim=1)
         self.length = self.valid.shape[1]
 
-    def call(self, call: AttentionCall, last: bool) -> AttentionCall | None:
-        """After a layer of a piece: keep its inputs' tail; at the last piece, the call standing for the prompt."""
+    def call(self, call: AttentionCall) -> AttentionCall:
+        """After a layer of a piece: the call standing for the prompt so far (the kept tail's inputs, then the
+        piece's; validity from the prompt's start), and the tail kept for the next piece."""
         cos, sin = call.position_embeddings
         kept = self.inputs.get(call.module.layer_idx)
         if kept is not None:
@@ -165,10 +167,7 @@ class PromptPieces(RowState):
                                 for a, b in zip(kept, (call.hidden_states, cos, sin)))
         else:
             hidden = call.hidden_states
-        if not last:
-            self.inputs[call.module.layer_idx] = tuple(t[:, max(t.shape[1] - self.tail, 0):]
-                                                      for t in (hidden, cos, sin))
-            return None
+        self.inputs[call.module.layer_idx] = tuple(t[:, max(t.shape[1] - self.tail, 0):] for t in (hidden, cos, sin))
         offset = self.length - hidden.shape[1]
         return AttentionCall(call.module, hidden, (cos, sin), None, self.valid.to(hidden.device), offset=offset)
 
@@ -330,8 +329,10 @@ class SparseCache(RowState, Cache):
         layer = self.layers[layer_idx]
         start = time.perf_counter()
         if self.pieces is not None:  # a prompt read in pieces: compressed at its last, as a whole
-            call = self.pieces.call(call, last=not self.forward.pieces_left)
-            if call is not None:
+            call = self.pieces.call(call)
+            if self.forward.pieces_left:
+                self.press.read_piece(self, layer, call)
+            else:
                 self.press.compress(self, layer, call)
             self.seconds["compress"] += time.perf_counter() - start
         elif layer.logical_len == call.q_len:  # the first forward of this cache: the prompt

@@ -164,7 +164,8 @@ def _pieces_left(inst: Installation) -> int:
                          f"prefill_chunk_size={chunks[0].shape[-1]} splits this prompt into {len(chunks)} forwards "
                          "(compressing the first piece alone would lose what the rest, the question, asks for). "
                          "Leave prefill_chunk_size unset inside `with press(model):`, or use a press that reads a "
-                         "prompt in pieces: SnapKVPress, ChunkPress, StreamingLLMPress, CHESSPress.")
+                         "prompt in pieces: SnapKVPress, ChunkPress, StreamingLLMPress, H2OPress, "
+                         "CHESSPress.")
     index = frame.f_locals.get("chunk_idx")
     if not isinstance(index, int):  # a transformers whose prefill names its pieces otherwise: never guess
         raise ValueError(f"sparsekv: cannot tell which piece of the prompt this forward is (generate's "

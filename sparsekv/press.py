@@ -15,6 +15,8 @@ the method needs, every default does nothing:
    their validity (asserted). Needs `reads_step_queries = True`.
 4. `compress(cache, layer, call)`: after a layer's attention over the prompt: choose what it keeps.
 5. `after_step(cache, layer, call)`: after a layer's attention on every later forward: evict, rescore.
+   (A prompt read in pieces, generate's `prefill_chunk_size`: `read_piece` after each piece but the last,
+   `compress` after the last, with a call standing for the prompt; see `prompt_tail`.)
 6. `end_forward(cache, logits)`: after each model forward, with its logits `(batch, q, vocab)`.
 
 Between forwards, `crop(cache, length)`: assisted decoding rejected the last forward's tokens from `length` on;
@@ -183,6 +185,11 @@ class Press:
                 )
             cache.budgets = budgets
         return cache.budgets
+
+    def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+        """After a layer's attention over a piece of a prompt read in pieces, before the last piece (whose
+        `compress` follows): `call` holds the piece's queries (`call.offset` on; `prompt_tail` more before them).
+        What the press reads of each piece goes to per-slot `layer.extra`, the press's state or the cache's."""
 
     def prompt_tail(self) -> int | None:
         """For a prompt read in pieces (generate's `prefill_chunk_size`): how many of its last tokens' layer

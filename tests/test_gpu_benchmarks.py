@@ -73,15 +73,15 @@ def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
 
 def test_chunked_prefill_on_a_random_model(tokenizer_dir, capsys):
     """Pieces of 128 tokens: the same answer as one forward for the full cache and a press that reads a prompt in
-    pieces; H2O's refusal is printed, not raised, and its one-forward row stays."""
+    pieces; SentenceKV's refusal is printed, not raised, and its one-forward row stays."""
     chunked_prefill.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "300", "--chunks", "0,128",
-                          "--new-tokens", "2", "--presses", "snapkv,h2o", "--ratio", "0.25"])
+                          "--new-tokens", "2", "--presses", "snapkv,sentencekv", "--ratio", "0.25"])
     out = capsys.readouterr().out
-    assert "h2o, prefill_chunk_size=128: sparsekv: H2OPress cannot compress a prompt read in pieces" in out
+    assert "sentencekv, prefill_chunk_size=128: sparsekv: SentencePress cannot compress a prompt read in pieces" in out
     table = out.split("above the level before each generation\n")[-1]
     rows = [line.split() for line in table.splitlines()[2:]]
     assert [(r[0], r[1]) for r in rows] == [("full", "one"), ("full", "128"), ("snapkv", "one"), ("snapkv", "128"),
-                                            ("h2o", "one")]
+                                            ("sentencekv", "one")]
     assert all(r[-1] == "yes" for r in rows)
     with pytest.raises(SystemExit):  # the prompt in one forward is the reference
         chunked_prefill.main([*SMALL, "--tokenizer", tokenizer_dir, "--chunks", "256"])

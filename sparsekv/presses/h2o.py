@@ -76,6 +76,7 @@ class H2OPress(Press):
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
         if self.keeps_everything(cache):
+            layer.extra.pop("received", None)  # (a prompt read in pieces) nothing to score, as in one forward
             return
         # The prompt's received attention does not depend on the budget: replays of one prompt share it.
         received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(layer, call))
@@ -84,16 +85,27 @@ class H2OPress(Press):
         layer.keep(scores, budgets)
 
     def received(self, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
-        """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`."""
+        """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`: from
+        the call's queries (`call.offset` on), added to what earlier pieces of the prompt gave (`read_piece`)."""
         b, h_kv, n, _ = layer.keys.shape
         if call.weights is not None:  # eager already materialised it; padding queries' rows are dropped
             weights = call.weights.float() * call.valid()[:, None, :, None]
             return weights.view(b, h_kv, -1, n, n).sum(dim=(2, 3))
-        received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=layer.keys.device)
-        for start in range(0, n, self.block_size):
+        earlier = layer.extra.get("received")
+        received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=layer.keys.device) if earlier is None \
+            else earlier.clone()
+        for start in range(call.offset, n, self.block_size):
             end = min(start + self.block_size, n)
             received[..., :end] += call.prefill_probs(layer.keys, start, end).sum(dim=(2, 3))
         return received
+
+    def prompt_tail(self) -> int | None:
+        return 0  # every query's attention is read piece by piece (`read_piece`)
+
+    def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+        """A piece of a prompt read in pieces: the attention its queries gave every token so far, kept with the
+        slots (zeros for the next piece's tokens) until `compress` adds the last piece's."""
+        layer.extra["received"] = self.received(layer, call)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         plan = cache.forward.plan
