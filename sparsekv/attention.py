@@ -159,8 +159,8 @@ class AttentionCall:
         tile: `(matrix, group) -> tile_rope(matrix, group)`, made once per forward (`queries(grouped=True)`).
         offset: the input's first token's index in the prompt, when the call stands for a prompt read in pieces
             (the last piece and the tail of the earlier ones before it, `SparseCache` and `Press.prompt_tail`):
-            `queries(start, end)` and `valid()` then count tokens from the prompt's start, and `input_valid`
-            covers the prompt from its start.
+            `queries(start, end)` and `valid()` then count tokens from the prompt's start, and `input_valid` and
+            `position_embeddings` cover the prompt from its start (`hidden_states` its last tokens only).
     """
 
     module: torch.nn.Module
@@ -198,11 +198,12 @@ class AttentionCall:
                 raise ValueError(f"sparsekv: the press reads prompt token {start}'s queries, but a prompt read in "
                                  f"pieces keeps the layer inputs of its tokens from {self.offset} on only; "
                                  "`Press.prompt_tail` must cover every token `compress` reads.")
-            sl = slice(start - self.offset, None if end is None else end - self.offset)
+            sl = slice(start - self.offset, None if end is None else end - self.offset)  # the inputs'
+            rope = (cos[:, start:end], sin[:, start:end])  # from the prompt's start, as `valid()`
             if self.projected is not None:
-                q = shape_queries(self.module, self.projected[:, sl], (cos[:, sl], sin[:, sl]), grouped)
+                q = shape_queries(self.module, self.projected[:, sl], rope, grouped)
             else:
-                q = project_queries(self.module, self.hidden_states[:, sl], (cos[:, sl], sin[:, sl]), grouped)
+                q = project_queries(self.module, self.hidden_states[:, sl], rope, grouped)
         return q * self.module.scaling if scaled else q
 
     def valid(self) -> torch.Tensor:

@@ -144,13 +144,16 @@ class PromptPieces(RowState):
         tail: tokens of layer inputs kept from the earlier pieces.
         length: prompt tokens read so far (padding included).
         valid: `(batch, length)` which of them are real.
-        inputs: per layer index, the last `tail` tokens' `(hidden_states, cos, sin)`.
+        rope: the `(cos, sin)` of those tokens, shared by the compressed layers (transformers gives them one).
+        inputs: per layer index, the last `tail` tokens' hidden states.
     """
 
     tail: int
     length: int = 0
     valid: torch.Tensor | None = None
+    rope: tuple | None = None
     inputs: dict = field(default_factory=dict)
+    piece_rope: tuple | None = None  # the piece's own `(cos, sin)`, as the model gave it to its first layer
 
     def read(self, valid: torch.Tensor) -> None:
         """A piece's validity `(batch, q)`, before its layers run."""
@@ -159,17 +162,20 @@ class PromptPieces(RowState):
 
     def call(self, call: AttentionCall) -> AttentionCall:
         """After a layer of a piece: the call standing for the prompt so far (the kept tail's inputs, then the
-        piece's; validity from the prompt's start), and the tail kept for the next piece."""
-        cos, sin = call.position_embeddings
+        piece's; validity and RoPE from the prompt's start), and the tail kept for the next piece."""
+        if self.piece_rope is None or self.rope[0].shape[1] < self.length:  # the piece's first layer
+            self.piece_rope = call.position_embeddings
+            self.rope = call.position_embeddings if self.rope is None else tuple(
+                torch.cat([a, b.to(a.device)], dim=1) for a, b in zip(self.rope, call.position_embeddings))
+        elif call.position_embeddings[0] is not self.piece_rope[0]:
+            raise ValueError(f"sparsekv: layer {call.module.layer_idx} got other position embeddings than the "
+                             "first compressed layer: a prompt read in pieces keeps one RoPE table for them all.")
         kept = self.inputs.get(call.module.layer_idx)
-        if kept is not None:
-            hidden, cos, sin = (torch.cat([a, b.to(a.device)], dim=1)
-                                for a, b in zip(kept, (call.hidden_states, cos, sin)))
-        else:
-            hidden = call.hidden_states
-        self.inputs[call.module.layer_idx] = tuple(t[:, max(t.shape[1] - self.tail, 0):] for t in (hidden, cos, sin))
-        offset = self.length - hidden.shape[1]
-        return AttentionCall(call.module, hidden, (cos, sin), None, self.valid.to(hidden.device), offset=offset)
+        hidden = call.hidden_states if kept is None else torch.cat([kept, call.hidden_states.to(kept.device)], 1)
+        self.inputs[call.module.layer_idx] = hidden[:, max(hidden.shape[1] - self.tail, 0):]
+        rope = tuple(t.to(hidden.device) for t in self.rope)
+        return AttentionCall(call.module, hidden, rope, None, self.valid.to(hidden.device),
+                             offset=self.length - hidden.shape[1])
 
 
 class SparseCache(RowState, Cache):

@@ -163,9 +163,8 @@ def _pieces_left(inst: Installation) -> int:
         raise ValueError(f"sparsekv: {type(press).__name__} cannot compress a prompt read in pieces, and generate's "
                          f"prefill_chunk_size={chunks[0].shape[-1]} splits this prompt into {len(chunks)} forwards "
                          "(compressing the first piece alone would lose what the rest, the question, asks for). "
-                         "Leave prefill_chunk_size unset inside `with press(model):`, or use a press that reads a "
-                         "prompt in pieces: SnapKVPress, ChunkPress, StreamingLLMPress, H2OPress, "
-                         "CHESSPress.")
+                         "Leave prefill_chunk_size unset inside `with press(model):`, or give the press a "
+                         "`prompt_tail` (what `compress` reads of a prompt's last tokens).")
     index = frame.f_locals.get("chunk_idx")
     if not isinstance(index, int):  # a transformers whose prefill names its pieces otherwise: never guess
         raise ValueError(f"sparsekv: cannot tell which piece of the prompt this forward is (generate's "

@@ -192,38 +192,45 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
 
 
 # --- a prompt in pieces (generate's prefill_chunk_size) ----------------------------------------------------------
-def reads_pieces(cls) -> bool:
-    return cls.reads_prompt_in_pieces or tiny_press(cls).prompt_tail() is not None
-
-
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
-def test_a_prompt_in_pieces_is_compressed_whole_or_refused(press_cls):
-    """generate's chunked prefill: a press that reads a prompt in pieces keeps the same tokens and answers as with
-    the prompt in one forward, padded rows included, also when the last piece is shorter than SnapKV's window
-    (99 tokens in pieces of 32: the last holds 3); any other press refuses it, naming the option, instead of
-    compressing the first piece alone (SnapKV used to keep a quarter of the first piece and every later token).
-    One piece is a plain prompt."""
+def test_a_prompt_in_pieces_is_compressed_as_in_one_forward(press_cls):
+    """generate's chunked prefill: every press keeps the same tokens and answers as with the prompt in one
+    forward, padded rows included, also when the last piece is shorter than SnapKV's window (99 tokens in pieces
+    of 32: the last holds 3). It used to compress the first piece alone (SnapKV kept a quarter of it and every
+    later token). One piece is a plain prompt."""
     model = make_model("llama").double()
     ids, mask = padded_batch(99)
     with tiny_press(press_cls)(model):
         whole = greedy(model, ids, mask, new=6, return_dict_in_generate=True)
         one = greedy(model, ids, mask, new=6, prefill_chunk_size=99, return_dict_in_generate=True)
-        assert torch.equal(one.sequences, whole.sequences)
-        if reads_pieces(press_cls):
-            pieces = greedy(model, ids, mask, new=6, prefill_chunk_size=32, return_dict_in_generate=True)
-            assert torch.equal(pieces.sequences, whole.sequences)
-            assert pieces.cache.pieces is None
-            for a, b in zip(pieces.cache.compressed_layers(), whole.cache.compressed_layers()):
-                assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
-        else:
-            with pytest.raises(ValueError, match=r"prefill_chunk_size=32 splits this prompt into 4 forwards"):
-                greedy(model, ids, mask, new=6, prefill_chunk_size=32)
-    assert {reads_pieces(c) for c in PRESSES} == {True, False}  # both paths are taken
+        pieces = greedy(model, ids, mask, new=6, prefill_chunk_size=32, return_dict_in_generate=True)
+    assert torch.equal(one.sequences, whole.sequences) and torch.equal(pieces.sequences, whole.sequences)
+    assert pieces.cache.pieces is None
+    for a, b in zip(pieces.cache.compressed_layers(), whole.cache.compressed_layers()):
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid)
+    assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=32), greedy(model, ids, mask, new=6))
+
+
+def test_a_press_that_cannot_read_a_prompt_in_pieces_refuses_it():
+    """A press that does not say what it reads of a prompt in pieces (`prompt_tail`) refuses one, naming the
+    option, rather than compress the first piece alone; a prompt in one piece runs."""
+    @dataclasses.dataclass(kw_only=True)
+    class Oldest(ScorerPress):
+        def score(self, cache, layer, call):
+            return -layer.positions.float()
+
+    model = make_model("llama")
+    with Oldest(ratio=0.25)(model):
+        greedy(model, prompt(99), new=2, prefill_chunk_size=99)
+        with pytest.raises(ValueError, match=r"Oldest cannot compress a prompt read in pieces, and generate's "
+                                             r"prefill_chunk_size=32 splits this prompt into 4 forwards"):
+            greedy(model, prompt(99), new=2, prefill_chunk_size=32)
 
 
 def test_a_prompt_in_pieces_keeps_only_a_tail_of_layer_inputs():
     """While a prompt is read in pieces the cache keeps each layer's inputs for the last `prompt_tail` tokens
-    only (SnapKV's window), not the prompt's activations, and the layers hold every piece's KV uncompressed."""
+    only (SnapKV's window), not the prompt's activations, one RoPE table for every layer, and the layers hold
+    every piece's KV uncompressed."""
     model = make_model("llama")
     ids = prompt(99)
     seen = []
@@ -231,7 +238,7 @@ def test_a_prompt_in_pieces_keeps_only_a_tail_of_layer_inputs():
     def watch(module, args, kwargs):
         cache = kwargs.get("cache")
         if isinstance(cache, SparseCache) and cache.pieces is not None and cache.pieces.inputs:
-            seen.append(({t.shape[1] for kept in cache.pieces.inputs.values() for t in kept},
+            seen.append(({t.shape[1] for t in cache.pieces.inputs.values()}, cache.pieces.rope[0].shape[1],
                          cache.layers[0].keys.shape[-2], cache.layers[0].compressed))
 
     hook = model.register_forward_pre_hook(watch, with_kwargs=True)
@@ -240,7 +247,7 @@ def test_a_prompt_in_pieces_keeps_only_a_tail_of_layer_inputs():
             greedy(model, ids, new=2, prefill_chunk_size=32)
     finally:
         hook.remove()
-    assert seen == [({8}, 32, False), ({8}, 64, False), ({8}, 96, False)]
+    assert seen == [({8}, 32, 32, False), ({8}, 64, 64, False), ({8}, 96, 96, False)]  # one RoPE table
 
 
 # --- reset, batch selection and repetition, copies ---------------------------------------------------------------

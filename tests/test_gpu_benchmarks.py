@@ -72,16 +72,15 @@ def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
 
 
 def test_chunked_prefill_on_a_random_model(tokenizer_dir, capsys):
-    """Pieces of 128 tokens: the same answer as one forward for the full cache and a press that reads a prompt in
-    pieces; SentenceKV's refusal is printed, not raised, and its one-forward row stays."""
+    """Pieces of 128 tokens: the same answer as one forward for the full cache and the presses; a press that
+    refuses a prompt in pieces would be printed, not raised (a random model: only the table's shape is checked)."""
     chunked_prefill.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "300", "--chunks", "0,128",
                           "--new-tokens", "2", "--presses", "snapkv,sentencekv", "--ratio", "0.25"])
     out = capsys.readouterr().out
-    assert "sentencekv, prefill_chunk_size=128: sparsekv: SentencePress cannot compress a prompt read in pieces" in out
     table = out.split("above the level before each generation\n")[-1]
     rows = [line.split() for line in table.splitlines()[2:]]
     assert [(r[0], r[1]) for r in rows] == [("full", "one"), ("full", "128"), ("snapkv", "one"), ("snapkv", "128"),
-                                            ("sentencekv", "one")]
+                                            ("sentencekv", "one"), ("sentencekv", "128")]
     assert all(r[-1] == "yes" for r in rows)
     with pytest.raises(SystemExit):  # the prompt in one forward is the reference
         chunked_prefill.main([*SMALL, "--tokenizer", tokenizer_dir, "--chunks", "256"])

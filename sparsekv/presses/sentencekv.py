@@ -21,6 +21,7 @@ class SentenceState(RowState):
     """Per generation: each prompt token's sentence."""
 
     sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
+    piece_ids: torch.Tensor | None = None  # (batch, read) a prompt read in pieces: its tokens until the last piece
     step_ids: torch.Tensor | None = None  # (batch, q) the last forward's tokens, for `crop`
 
 
@@ -145,7 +146,9 @@ class SentencePress(SnapKVPress):
         return 1, "1 loaded token"
 
     def prompt_tail(self) -> int | None:
-        return None  # the prompt's sentences, its mean key and its last sentence's queries: not a tail
+        # The window's queries and those of the prompt's last sentence (`prompt_sentence`), never longer than
+        # `max_sentence_tokens`; its sentences come from the pieces' tokens, its mean key from the cache.
+        return max(self.window_size, self.max_sentence_tokens)
 
     def new_layer(self, layer_idx: int) -> StoreLayer:
         return StoreLayer(self.offload_device, state=SentenceLayerState())
@@ -154,9 +157,15 @@ class SentencePress(SnapKVPress):
         return SentenceState()
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        if cache.state.sentences is None:  # the prompt
-            cache.state.sentences = sentence_ids(self.tokenizer, forward.input_ids, forward.input_valid,
-                                                 self.max_sentence_tokens)
+        state = cache.state
+        if state.sentences is None and cache.pieces is not None:  # a prompt read in pieces: sentences at its last
+            ids = forward.input_ids if state.piece_ids is None else torch.cat([state.piece_ids, forward.input_ids], 1)
+            state.piece_ids = ids if forward.pieces_left else None
+            if not forward.pieces_left:
+                state.sentences = sentence_ids(self.tokenizer, ids, cache.pieces.valid, self.max_sentence_tokens)
+        elif state.sentences is None:  # the prompt
+            state.sentences = sentence_ids(self.tokenizer, forward.input_ids, forward.input_valid,
+                                           self.max_sentence_tokens)
         # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
         cache.state.step_ids = forward.input_ids
         closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])
