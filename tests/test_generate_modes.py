@@ -211,6 +211,17 @@ def test_a_prompt_in_pieces_is_compressed_as_in_one_forward(press_cls):
     assert torch.equal(greedy(model, ids, mask, new=6, prefill_chunk_size=32), greedy(model, ids, mask, new=6))
 
 
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_a_prompt_in_pieces_with_beams_and_prompt_lookup(press_cls):
+    """Pieces combine with the other modes: beam search and prompt lookup give what they give in one forward."""
+    model = make_model("llama").double()
+    ids = torch.cat([prompt(80), prompt(10, seed=4).repeat(1, 2)], dim=1)  # a repeat for prompt lookup to find
+    with tiny_press(press_cls)(model):
+        for mode in ({"num_beams": 2}, {"prompt_lookup_num_tokens": 3}):
+            pieces = greedy(model, ids, new=6, prefill_chunk_size=32, **mode)
+            assert torch.equal(pieces, greedy(model, ids, new=6, **mode))
+
+
 def test_a_press_that_cannot_read_a_prompt_in_pieces_refuses_it():
     """A press that does not say what it reads of a prompt in pieces (`prompt_tail`) refuses one, naming the
     option, rather than compress the first piece alone; a prompt in one piece runs."""
