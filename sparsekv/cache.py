@@ -136,9 +136,9 @@ class PromptPieces(RowState):
 
     The layers hold every piece's KV uncompressed; the press compresses at the last piece, as it would the whole
     prompt, from an `AttentionCall` that stands for it: the last piece's layer inputs after the last `tail` tokens'
-    of the earlier pieces (`Press.prompt_tail`: what `compress` reads, e.g. SnapKV's window), and the validity of
-    the whole prompt. Only that tail is kept, never the prompt's activations; a press that reads every prompt
-    query (H2O) reads each piece's as it comes (`Press.read_piece`).
+    of the earlier pieces (`Press.prompt_tail`: what `compress` reads, e.g. SnapKV's window), with the validity and
+    the RoPE table of the whole prompt. Only that tail is kept, never the prompt's activations; a press that reads
+    every prompt query (H2O) reads each piece's as it comes (`Press.read_piece`).
 
     Attributes:
         tail: tokens of layer inputs kept from the earlier pieces.
