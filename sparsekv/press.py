@@ -194,8 +194,9 @@ class Press:
     def prompt_tail(self) -> int | None:
         """For a prompt read in pieces (generate's `prefill_chunk_size`): how many of its last tokens' layer
         inputs `compress` reads (their queries), which the driver keeps from the earlier pieces to compress at
-        the last piece as the whole prompt would be (`cache.PromptPieces`). None (the default): `compress` reads
-        more than that (H2O: every query), and such a generation is refused."""
+        the last piece as the whole prompt would be (`cache.PromptPieces`); what it reads of every query goes
+        through `read_piece` (H2O). None (the default): the press does not say, and such a generation is
+        refused."""
         return None
 
     @staticmethod
