@@ -192,13 +192,14 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
 
 
 # --- a prompt in pieces (generate's prefill_chunk_size) ----------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
-def test_a_prompt_in_pieces_is_compressed_as_in_one_forward(press_cls):
+def test_a_prompt_in_pieces_is_compressed_as_in_one_forward(press_cls, arch):
     """generate's chunked prefill: every press keeps the same tokens and answers as with the prompt in one
     forward, padded rows included, also when the last piece is shorter than SnapKV's window (99 tokens in pieces
     of 32: the last holds 3). It used to compress the first piece alone (SnapKV kept a quarter of it and every
-    later token). One piece is a plain prompt."""
-    model = make_model("llama").double()
+    later token). One piece is a plain prompt. On every architecture (Gemma3's RoPE differs by layer type)."""
+    model = make_model(arch).double()
     ids, mask = padded_batch(99)
     with tiny_press(press_cls)(model):
         whole = greedy(model, ids, mask, new=6, return_dict_in_generate=True)
