@@ -147,16 +147,28 @@ def _pieces_left(inst: Installation) -> int:
     pieces follow it; else 0. A press that cannot compress such a prompt refuses it (`Press.prompt_tail`),
     rather than compress its first piece alone, before the rest (the question) is read.
 
-    A forward is not told that it is a piece, so this reads generate's own prefill (`input_chunks` and `chunk_idx`
-    of `GenerationMixin._prefill`, a frame up the stack), once per piece.
+    A forward is not told that it is a piece, so this reads generate's own prefill (`GenerationMixin._prefill`, a
+    frame up the stack: its `generation_config`, `input_chunks` and `chunk_idx`), once per prompt forward, never
+    at a decoding step. Assisted decoding prefills without it, and does not read a prompt in pieces. (The generate
+    mode tests compare a prompt in pieces with one forward for every press: a transformers that reads pieces
+    otherwise fails them.)
     """
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_name != "_prefill":
         frame = frame.f_back
-    chunks = frame.f_locals.get("input_chunks") if frame is not None else None
+    return 0 if frame is None else pieces_after(inst.press, frame.f_locals)
+
+
+def pieces_after(press, prefill: dict) -> int:
+    """`_pieces_left` from the locals of generate's `_prefill` (`prefill`)."""
+    size = getattr(prefill.get("generation_config"), "prefill_chunk_size", None)
+    chunks = prefill.get("input_chunks")
+    if size is not None and chunks is None and not press.reads_prompt_in_pieces:
+        raise ValueError(f"sparsekv: cannot tell which piece of the prompt this forward is (generate's "
+                         f"prefill_chunk_size={size}, this transformers version); leave prefill_chunk_size unset "
+                         "inside `with press(model):`.")
     if chunks is None or len(chunks) < 2:
         return 0
-    press = inst.press
     if press.reads_prompt_in_pieces:
         return 0  # the press reads the pieces as a prompt and continued prompts itself
     if press.prompt_tail() is None:
@@ -165,7 +177,7 @@ def _pieces_left(inst: Installation) -> int:
                          "(compressing the first piece alone would lose what the rest, the question, asks for). "
                          "Leave prefill_chunk_size unset inside `with press(model):`, or give the press a "
                          "`prompt_tail` (what `compress` reads of a prompt's last tokens).")
-    index = frame.f_locals.get("chunk_idx")
+    index = prefill.get("chunk_idx")
     if not isinstance(index, int):  # a transformers whose prefill names its pieces otherwise: never guess
         raise ValueError(f"sparsekv: cannot tell which piece of the prompt this forward is (generate's "
                          f"prefill_chunk_size={chunks[0].shape[-1]}, this transformers version); leave "

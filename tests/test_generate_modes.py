@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import greedy, make_model, make_tokenizer, prompt
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 import sparsekv
 from sparsekv import CHESSPress, Press, ScorerPress, SentencePress, SnapKVPress, SparseCache, StoreLayer
@@ -221,6 +221,24 @@ def test_a_prompt_in_pieces_with_beams_and_prompt_lookup(press_cls):
         for mode in ({"num_beams": 2}, {"prompt_lookup_num_tokens": 3}):
             pieces = greedy(model, ids, new=6, prefill_chunk_size=32, **mode)
             assert torch.equal(pieces, greedy(model, ids, new=6, **mode))
+
+
+def test_pieces_are_read_from_generates_prefill_or_refused():
+    """Which piece a forward is comes from generate's `_prefill` locals; a transformers that names them otherwise
+    is refused rather than guessed, and no pieces (or one) means a plain prompt."""
+    from sparsekv.hooks import pieces_after
+
+    snap, chunks = SnapKVPress(ratio=0.25), (torch.zeros(1, 32),) * 3
+    config = GenerationConfig(prefill_chunk_size=32)
+    assert pieces_after(snap, {}) == pieces_after(snap, {"generation_config": GenerationConfig()}) == 0
+    assert pieces_after(snap, {"generation_config": config, "input_chunks": chunks[:1], "chunk_idx": 0}) == 0
+    assert [pieces_after(snap, {"generation_config": config, "input_chunks": chunks, "chunk_idx": i})
+            for i in range(3)] == [2, 1, 0]
+    chess = CHESSPress(ratio=0.25)  # reads them itself
+    assert pieces_after(chess, {"generation_config": config, "input_chunks": chunks, "chunk_idx": 0}) == 0
+    for renamed in ({"input_chunks": chunks, "piece": 0}, {"pieces": chunks, "chunk_idx": 0}):
+        with pytest.raises(ValueError, match="cannot tell which piece of the prompt this forward is"):
+            pieces_after(snap, {"generation_config": config, **renamed})
 
 
 def test_a_press_that_cannot_read_a_prompt_in_pieces_refuses_it():
