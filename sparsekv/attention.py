@@ -79,8 +79,8 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
 
 def tile_rope(matrix: torch.Tensor, group: int) -> torch.Tensor:
     """A step's RoPE matrix `(d, d)` or `(batch, 1, d, d)` stacked `group` times along its rows: the queries of a
-    KV head's `group` query heads, side by side, times it are their sum rotated (`shape_queries(grouped=True)`),
-    one product where summing and rotating are five ops."""
+    KV head's `group` query heads, side by side, times it are their sum rotated (`shape_queries(grouped=True)`):
+    3 ops where summing, then rotating, took 6."""
     return matrix.repeat(group, 1) if matrix.dim() == 2 else matrix.repeat(1, 1, group, 1)
 
 

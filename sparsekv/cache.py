@@ -163,7 +163,7 @@ class PromptPieces(RowState):
     def call(self, call: AttentionCall) -> AttentionCall:
         """After a layer of a piece: the call standing for the prompt so far (the kept tail's inputs, then the
         piece's; validity and RoPE from the prompt's start), and the tail kept for the next piece."""
-        if self.piece_rope is None or self.rope[0].shape[1] < self.length:  # the piece's first layer
+        if self.rope is None or self.rope[0].shape[1] < self.length:  # the piece's first layer
             self.piece_rope = call.position_embeddings
             self.rope = call.position_embeddings if self.rope is None else tuple(
                 torch.cat([a, b.to(a.device)], dim=1) for a, b in zip(self.rope, call.position_embeddings))

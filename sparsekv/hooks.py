@@ -162,26 +162,21 @@ def _pieces_left(inst: Installation) -> int:
 def pieces_after(press, prefill: dict) -> int:
     """`_pieces_left` from the locals of generate's `_prefill` (`prefill`)."""
     size = getattr(prefill.get("generation_config"), "prefill_chunk_size", None)
-    chunks = prefill.get("input_chunks")
-    if size is not None and chunks is None and not press.reads_prompt_in_pieces:
+    if size is None or press.reads_prompt_in_pieces:
+        return 0  # no pieces, or the press reads them as a prompt and continued prompts itself
+    chunks, index = prefill.get("input_chunks"), prefill.get("chunk_idx")
+    if chunks is not None and len(chunks) < 2:
+        return 0  # the prompt fits one piece
+    if chunks is None or not isinstance(index, int):  # a transformers that names its pieces otherwise: never guess
         raise ValueError(f"sparsekv: cannot tell which piece of the prompt this forward is (generate's "
                          f"prefill_chunk_size={size}, this transformers version); leave prefill_chunk_size unset "
                          "inside `with press(model):`.")
-    if chunks is None or len(chunks) < 2:
-        return 0
-    if press.reads_prompt_in_pieces:
-        return 0  # the press reads the pieces as a prompt and continued prompts itself
     if press.prompt_tail() is None:
         raise ValueError(f"sparsekv: {type(press).__name__} cannot compress a prompt read in pieces, and generate's "
-                         f"prefill_chunk_size={chunks[0].shape[-1]} splits this prompt into {len(chunks)} forwards "
+                         f"prefill_chunk_size={size} splits this prompt into {len(chunks)} forwards "
                          "(compressing the first piece alone would lose what the rest, the question, asks for). "
                          "Leave prefill_chunk_size unset inside `with press(model):`, or give the press a "
                          "`prompt_tail` (what `compress` reads of a prompt's last tokens).")
-    index = prefill.get("chunk_idx")
-    if not isinstance(index, int):  # a transformers whose prefill names its pieces otherwise: never guess
-        raise ValueError(f"sparsekv: cannot tell which piece of the prompt this forward is (generate's "
-                         f"prefill_chunk_size={chunks[0].shape[-1]}, this transformers version); leave "
-                         "prefill_chunk_size unset inside `with press(model):`.")
     return len(chunks) - 1 - index
 
 
