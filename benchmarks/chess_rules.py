@@ -12,6 +12,9 @@ against the anchor `a`, with max pooling; its keys come from the cache's store, 
 `--queries` keeps eq. 1's page vectors and changes eq. 3's anchor: instead of the mean key of the recent pages,
 the mean query of the prompt's last 32 tokens, before RoPE as the page vectors are (a question at the end is
 what those queries look for; beyond the paper, traced here only).
+`--per-layer` keeps eq. 1's page vectors and eq. 3's anchor and changes how eq. 4 sums them: each compressed
+layer's share of the product (or each layer and KV head's, the second rule) standardised over the row's candidate
+pages, then summed, so that every layer (head) votes alike instead of the layers whose keys are largest.
 `--answers` generates instead, greedily as `sparsekv eval` does on the same prompts, with the default CHESS and
 with CHESS selecting by the means + bounds rule at every selection (`MeansAndBounds`), and scores the answers.
 
@@ -153,6 +156,16 @@ def standardised(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
     return ((scores - mean) / spread.clamp(min=1e-6)).masked_fill(~candidate, 0.0)
 
 
+def shares_standardised(vectors: torch.Tensor, anchor: torch.Tensor, candidate: torch.Tensor,
+                        blocks: int) -> torch.Tensor:
+    """Eq. 4 `(batch, pages)` as a sum over `blocks` equal column blocks of the page vectors `(batch, pages, D)`
+    and anchor `(batch, D)` (layers, or layers x KV heads), each block's share standardised over the candidate
+    pages before the sum."""
+    b, n, _ = vectors.shape
+    shares = (vectors.view(b, n, blocks, -1) * anchor.view(b, 1, blocks, -1)).sum(-1)  # (b, pages, blocks)
+    return sum(standardised(shares[..., i], candidate) for i in range(blocks))
+
+
 @torch.no_grad()
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -160,6 +173,8 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=32, help="tokens per page (default: 32, the paper's)")
     parser.add_argument("--bounds", action="store_true", help="add the page-bound rule (see above)")
     parser.add_argument("--queries", action="store_true", help="add the query-anchor rule (see above)")
+    parser.add_argument("--per-layer", action="store_true", help="add the per-layer and per-head standardised "
+                        "rules (see above)")
     parser.add_argument("--answers", action="store_true", help="instead: the answers of CHESS (the default) and "
                         "of CHESS selecting by means + bounds (see above), generated greedily")
     args = parser.parse_args(argv)
@@ -172,6 +187,11 @@ def main(argv=None):
         presses[query_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
     bound_rule = "page bounds (Quest), max pooling, ratio split evenly"
     both_rule = "page means + page bounds, standardised, max pooling"
+    layer_rules = {"each layer's share standardised, max pooling": "layer",
+                   "each layer and KV head's share standardised, max pooling": "head"}
+    if args.per_layer:
+        for name in layer_rules:
+            presses[name] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
     if args.bounds:
         presses[bound_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
         presses[both_rule] = presses[bound_rule]
@@ -188,6 +208,11 @@ def main(argv=None):
                 vectors, _, candidate = press.page_vectors(out.cache.state.page_sums, lengths)
                 anchor = query_anchor(model, queries, out.cache)
                 _, _, selected = press.select_by((vectors @ anchor[:, :, None])[..., 0], candidate)
+            elif name in layer_rules:
+                vectors, anchor, candidate = press.page_vectors(out.cache.state.page_sums, lengths)
+                blocks = len(out.cache.state.columns) * (model.config.num_key_value_heads
+                                                         if layer_rules[name] == "head" else 1)
+                _, _, selected = press.select_by(shares_standardised(vectors, anchor, candidate, blocks), candidate)
             elif name == bound_rule:
                 _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1]))
             elif name == both_rule:
