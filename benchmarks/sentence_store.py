@@ -54,7 +54,7 @@ def sentence_ranks(layer, wanted: torch.Tensor) -> list[str]:
     if len(hit) == 0:
         return ["-"] * layer.keys.shape[1]
     needle = int(layer.state.slot_sentence[0, 0, hit[0, 0]])
-    scores = SentencePress.similarity(layer)[0]  # (h, S), as the press ranks them
+    scores = SentencePress.similarity(layer.state)[0]  # (h, S), as the press ranks them
     scores = scores.masked_fill(layer.state.sentence_sizes[0] == 0, float("-inf"))  # empty sentences take no budget
     return [str(int((row > row[needle]).sum())) for row in scores]
 
@@ -91,7 +91,8 @@ def main(argv=None):
         kept = {"ratio": args.ratio} if args.ratio is not None else {"budget": args.budget}
         press = SentencePress(tokenizer, **kept, keep_factor=args.keep_factor, centre=args.centre,
                               prompt_sentence=args.prompt_sentence, kernel_size=args.kernel_size,
-                              sentence_vector=args.sentence_vector, max_sentence_tokens=args.max_sentence_tokens)
+                              sentence_vector=args.sentence_vector, max_sentence_tokens=args.max_sentence_tokens,
+                              plan="layer")  # each layer keeps its own ranking state, read here
         answer, rows = value_coverage(model, tokenizer, ids, range(start, end), press)
         print(f"\nsample {index}: value {value} at tokens {start}-{end - 1}; answer {answer!r}")
         print(format_table(rows, [(k, k, "") for k in rows[0]]))

@@ -445,9 +445,11 @@ class StoreLayer(KVLayer):
         self.all_valid = bool(valid.all()) if all_valid is None else all_valid
         self.compressed = True
 
-    def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor) -> None:
+    def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
+             index: torch.Tensor | None = None) -> None:
         """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
-        from the store and one write per tensor, every head at once).
+        from the store and one write per tensor, every head at once). `index`: their `flat_index` on the store's
+        device, when the caller made it (one copy to an offloaded store's device for several layers).
 
         The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
         tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""
@@ -455,7 +457,7 @@ class StoreLayer(KVLayer):
             self.keys[row, head, target] = self.store_keys[row, head, slot]
             self.values[row, head, target] = self.store_values[row, head, slot]
         else:  # an offloaded store: one index to its device, not three, and rows gathered into pinned memory
-            index = flat_index(self.store_keys, row, head, slot)
+            index = flat_index(self.store_keys, row, head, slot) if index is None else index
             self.keys[row, head, target] = gather_rows(self.store_keys, index).to(self.device, non_blocking=True)
             self.values[row, head, target] = gather_rows(self.store_values, index).to(self.device, non_blocking=True)
         positions = self.positions if self.pending is not None else self.__dict__["_positions"]

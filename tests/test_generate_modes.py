@@ -35,7 +35,14 @@ def registered_presses() -> list[type[Press]]:
     return sorted(found, key=lambda c: c.__name__)
 
 
-PRESSES = registered_presses()
+@dataclasses.dataclass(kw_only=True)
+class SentencePressRankedPerLayer(SentencePress):
+    """`SentencePress(plan="layer")` (the paper's order), whose decoding path is its own: in every test too."""
+
+    plan: str = "layer"
+
+
+PRESSES = registered_presses() + [SentencePressRankedPerLayer]
 # Options sized for 64-token prompts, applied where a press has the field; CHESS re-selects at every step.
 TINY = {"window_size": 8, "chunk_size": 4, "page_size": 8, "n_sinks": 4, "reselect": "always"}
 ARCHS = ("llama", "qwen3", "phi3", "gemma3")
@@ -162,12 +169,12 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
     """Prompt, a 3-token forward, crop 2: the KV and the press state are those of prompt + the kept token."""
     model = make_model("llama").double()
     ids, extra = prompt(64), prompt(3, seed=9)
-    sentence = press_cls is SentencePress
+    sentence = issubclass(press_cls, SentencePress)
     with tiny_press(press_cls)(model):
         cropped = model(ids).cache
-        before = [layer.state.query_sum.clone() for layer in cropped.layers] if sentence else []
+        before = [s.clone() for s in query_sums(cropped)] if sentence else []
         model(extra, cache=cropped, logits_to_keep=3)  # a draft being verified, as generate asks for it
-        kept = [layer.state.step_queries[:, :, :1] for layer in cropped.layers] if sentence else []
+        kept = [q[:, :, :1] for q in step_queries(cropped)] if sentence else []
         cropped.crop(-2)
         direct = model(ids).cache
         model(extra[:, :1], cache=direct)
@@ -185,10 +192,23 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
         # The mean query keeps the kept token's query and loses the rejected ones'. Layer 0's queries do not depend
         # on what attention read, so there it equals the direct forward's; a deeper layer's query of the kept token
         # does (the draft's selection was made with all three tokens' queries): there it is the draft forward's.
-        torch.testing.assert_close(cropped.layers[0].state.query_sum, direct.layers[0].state.query_sum)
+        torch.testing.assert_close(query_sums(cropped)[0], query_sums(direct)[0])
         ends = closes_sentence(make_tokenizer(), extra[:, 0])[:, None, None, None]
-        for layer, sum_before, query in zip(cropped.layers, before, kept):
-            torch.testing.assert_close(layer.state.query_sum, torch.where(ends, 0.0, sum_before + query))
+        for total, sum_before, query in zip(query_sums(cropped), before, kept):
+            torch.testing.assert_close(total, torch.where(ends, 0.0, sum_before + query))
+
+
+def query_sums(cache) -> list[torch.Tensor]:
+    """SentencePress's mean query sum of each compressed layer (held by the layer, or by the stack of them)."""
+    stack = cache.state.stack
+    return [layer.state.query_sum for layer in cache.compressed_layers()] if stack is None else \
+        list(stack.query_sum.unbind(1))
+
+
+def step_queries(cache) -> list[torch.Tensor]:
+    """SentencePress's queries of the last forward, per compressed layer."""
+    stack = cache.state.stack
+    return [layer.state.step_queries for layer in cache.compressed_layers()] if stack is None else stack.step_queries
 
 
 # --- a prompt in pieces (generate's prefill_chunk_size) ----------------------------------------------------------

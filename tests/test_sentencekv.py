@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -87,10 +89,11 @@ def fake_call(queries):
 
 
 def fake_cache():
-    """What a press's decoding hooks read and write on the cache: timers, counters, the sentence-end flags."""
+    """What a press's decoding hooks read and write on the cache: timers, counters, the sentence-end flags, no
+    stack of layers (`plan="layer"`)."""
     return SimpleNamespace(seconds={"select": 0.0, "load": 0.0}, counts={"loaded_tokens": 0, "loads": 0,
                                                                          "selections": 0},
-                           forward=SimpleNamespace(plan=None))
+                           forward=SimpleNamespace(plan=None), state=SimpleNamespace(stack=None))
 
 
 def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
@@ -214,6 +217,71 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
             assert not layer.state.query_sum[1].any()
 
 
+@dataclass(kw_only=True)
+class RankedBeforeTheQuery(SentencePress):
+    """The definition of `plan="step"`, written per layer: each layer ranks and loads with its sum of the queries
+    before the step's, and a row whose sentence has no query yet keeps its selection; then the query joins."""
+
+    plan: str = "layer"  # the per-layer path, changed here
+
+    def on_queries(self, cache, layer, call):
+        state = layer.state
+        chosen = self._chosen(state)
+        empty = (state.query_sum == 0).flatten(1).all(1)
+        self._load(layer, torch.where(empty[:, None, None], state.resident, chosen))
+        queries = call.queries(grouped=True).float()
+        if call.input_valid is not None:
+            queries = queries * call.valid()[:, None, :, None]
+        state.query_sum += queries.sum(dim=2, keepdim=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_step(arch):
+    """`plan="step"` ranks and loads every layer when a step begins: the same slots, KV and logits as each layer
+    ranking at its own query with the sums of the queries before the step's (a padded batch of two; the tokens fed
+    end a sentence twice, so the sums restart and a row keeps its selection while its new sentence is empty).
+    Layers on one device stack; the padding of sentences between layers (each keeps its own count) is never
+    loaded."""
+    model = make_model(arch, vocab_size=420)
+    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    period = make_tokenizer().convert_tokens_to_ids(".")
+    fed = prompt(12, batch=2, seed=5)
+    fed[:, 3], fed[0, 8] = period, period
+    runs = []
+    for p in (press(budget=30, plan="step"), RankedBeforeTheQuery(make_tokenizer(), n_sinks=4, window_size=8,
+                                                                   budget=30)):
+        with p(model), torch.no_grad():
+            out, seen, logits = model(ids, attention_mask=mask), mask, []
+            for t in range(fed.shape[1]):
+                seen = torch.cat([seen, torch.ones_like(fed[:, :1])], dim=1)
+                out = model(fed[:, t:t + 1], attention_mask=seen, cache=out.cache)
+                logits.append(out.logits[:, -1])
+        runs.append((out.cache, torch.stack(logits, 1)))
+    (planned, planned_logits), (reference, reference_logits) = runs
+    assert planned.state.stack is not None and reference.state.stack is None
+    assert planned.stats().counts["loads"] > 0
+    torch.testing.assert_close(planned_logits, reference_logits)
+    for a, b in zip(compressed(planned), compressed(reference)):
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
+    torch.testing.assert_close(planned.state.stack.query_sum,
+                               torch.stack([layer.state.query_sum for layer in compressed(reference)], dim=1))
+
+
+def test_a_step_plan_over_layers_on_several_devices_ranks_each_layer_and_says_so(caplog):
+    """Layers on two devices (a `device_map` over GPUs; here one layer's state on the meta device) are not stacked:
+    each ranks at its own query, and the `sparsekv` logger says why."""
+    cache = padded_prefill()
+    layer = compressed(cache)[1]
+    layer.state.resident = layer.state.resident.to("meta")
+    with caplog.at_level(logging.WARNING, logger="sparsekv"):
+        press(budget=30)._plan_step(cache)
+    assert cache.state.stack is None and cache.state.per_layer
+    assert "several devices (" in caplog.text and "meta)" in caplog.text and layer.state.query_sum is not None
+
+
 def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
     """Right after the prompt (no decoding step yet), every real loaded slot holds a stored token's KV, on every
     head of both rows (one left-padded): decoding that cache attends no placeholder."""
@@ -279,7 +347,7 @@ def test_a_sentence_bound_is_the_most_any_of_its_keys_can_score():
     keys = [noise[:, :, 0], noise[:, :, 1], single]
     bounds = torch.stack([torch.cat([k.amax(2), k.amin(2)], -1) for k in keys], dim=2)
     means = torch.stack([k.mean(2) for k in keys], dim=2)
-    score = {v: SentencePress.similarity(SimpleNamespace(state=SimpleNamespace(query_sum=q, sentence_keys=k)))[0, 0]
+    score = {v: SentencePress.similarity(SimpleNamespace(query_sum=q, sentence_keys=k))[0, 0]
              for v, k in (("bounds", bounds), ("mean", means))}
     for s, k in enumerate(keys):
         assert bool((score["bounds"][s] >= (k[0, 0] @ q[0, 0, 0]).max() - 1e-5).all())
@@ -311,7 +379,7 @@ def test_chosen_slots_are_the_best_sentences_first_tokens_up_to_fill(seed):
         sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen),
         query_sum=torch.randn(b, h, 1, d, generator=gen)))
     layer.state.slot_room = loading_room(slot_sentence, sizes, fill)
-    chosen = SentencePress._chosen(layer)
+    chosen = SentencePress._chosen(layer.state)
     similarity = torch.einsum("bhxd,bhsd->bhs", layer.state.query_sum, layer.state.sentence_keys)
     for row in range(b):
         for head in range(h):
@@ -377,7 +445,7 @@ def test_one_host_read_loads_what_two_do(seed):
     for layer in compressed(cache):
         state = layer.state
         state.query_sum = torch.randn(state.query_sum.shape, generator=gen).to(state.query_sum.device)
-        chosen = SentencePress._chosen(layer)
+        chosen = SentencePress._chosen(layer.state)
         twin = copy.deepcopy(layer)
         copied = SentencePress._load(layer, chosen, one_read=True)
         assert copied == SentencePress._load(twin, chosen, one_read=False)

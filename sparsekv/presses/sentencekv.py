@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from ..attention import AttentionCall, rotate
 from ..cache import Forward, KVLayer, SparseCache, StoreLayer
+from ..layers import flat_index
 from ..press import check_number
 from ..segment import closes_sentence, sentence_ids
 from ..state import RowState
 from .snapkv import SnapKVPress
+
+logger = logging.getLogger("sparsekv")
 
 
 @dataclass
@@ -23,6 +29,32 @@ class SentenceState(RowState):
     sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
     piece_ids: torch.Tensor | None = None  # (batch, read) a prompt read in pieces: its tokens until the last piece
     step_ids: torch.Tensor | None = None  # (batch, q) the last forward's tokens, for `crop`
+    stack: LayerStack | None = None  # `plan="step"`: every layer's ranking state, once the layers are compressed
+    per_layer: bool = False  # `plan="step"` over layers on several devices: each layer ranks at its query
+
+
+@dataclass
+class LayerStack(RowState):
+    """`SentencePress(plan="step")`: the ranking state of every compressed layer, stacked on dim 1 (batch first,
+    then layers), so that a step ranks and loads for all layers with one set of ops. The fields are those of
+    `SentenceLayerState` with a layer dimension; sentences are padded to the layer with the most (empty ones: no
+    tokens, never loaded). Built from the layers' states at the first forward after the prompt, which give theirs
+    up (None): from then on this is the one copy.
+    """
+
+    ranks: dict[int, int] = field(default_factory=dict)  # layer index -> its index on dim 1
+    query_sum: torch.Tensor | None = None  # (batch, layers, kv_heads, 1, head_dim)
+    sentence_keys: torch.Tensor | None = None  # (batch, layers, kv_heads, sentences, head_dim or 2 head_dim)
+    sentence_sizes: torch.Tensor | None = None  # (batch, layers, 1, sentences)
+    slot_sentence: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
+    slot_room: torch.Tensor | None = None  # (batch, layers, 1, R)
+    resident: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
+    device_slot: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
+    step_queries: list = field(default_factory=list)  # per layer, the last forward's `(batch, kv_heads, q, d)`
+    before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
+
+    STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
+                                          "slot_room", "resident", "device_slot")
 
 
 @dataclass
@@ -65,13 +97,15 @@ class SentencePress(SnapKVPress):
     any of its keys can score); the tokens of the best sentences (the first ones by position of the last
     sentence, which is cut) are loaded until the budget.
     Only tokens entering the selection are copied from the store, in one gather and one write per layer; none
-    when it did not change. The queries are the step's own (captured after the layer's projection,
-    `on_queries`). Attention reads sinks + loaded + recent window + generated.
+    when it did not change. Each layer's queries are captured after its projection (`on_queries`); by default
+    every layer's sentences are ranked and loaded at once when a step begins, from the queries before the step's
+    (`plan`). Attention reads sinks + loaded + recent window + generated.
 
     Choices the paper leaves open or sparsekv makes beyond it (`prompt_sentence`, `centre`, `max_sentence_tokens`,
-    `sentence_vector` below, each with its measured effect in docs/results.md): where the sentence being generated
-    starts, what RoPE does to eq. 1's mean keys, how long a sentence may be, and what stands for a sentence.
-    `SentencePress(max_sentence_tokens=128, sentence_vector="mean")` ranks sentences as the paper's eq. 1.
+    `sentence_vector`, `plan` below, each with its measured effect in docs/results.md or docs/decode_vs_oracle.md):
+    where the sentence being generated starts, what RoPE does to eq. 1's mean keys, how long a sentence may be,
+    what stands for a sentence, and when a step ranks. `SentencePress(max_sentence_tokens=128,
+    sentence_vector="mean", plan="layer")` ranks sentences as the paper's eq. 1 and Algorithm 1.
     The sinks and the recent window (32 + 32, from the authors' code; the paper names neither) come on top of
     the tau loaded tokens, as the paper's tau counts retrieved tokens only.
 
@@ -106,6 +140,13 @@ class SentencePress(SnapKVPress):
             `sum_i max(q_i min_i, q_i max_i)`, the most any of its keys can score: one token that matches the
             query lifts its sentence, where a mean dilutes it among the sentence's other tokens (a code inside a
             long prose sentence). Twice the device memory of a mean per sentence. "mean": eq. 1, scored `q . k_s`.
+        plan: when the sentences are ranked and loaded. "step" (default, sparsekv's): every layer's at once when a
+            step begins, from the mean query of the sentence's tokens before the step's (right after a sentence
+            end, each row keeps its selection until a token of the new sentence is seen): one ranking and three
+            host reads a step for all layers instead of a ranking and one or two reads per layer, which made a
+            step cost 1.31x the oracle's on a CPU against 1.18x (docs/decode_vs_oracle.md); the same answers in
+            every cell measured (docs/results.md). "layer" (the paper's Algorithm 1): each layer at each step,
+            once it has the step's query, which its mean query includes.
     """
 
     tokenizer: Any = field(default=None, repr=False, compare=False, kw_only=False)
@@ -116,6 +157,7 @@ class SentencePress(SnapKVPress):
     prompt_sentence: bool = True
     centre: bool = True
     sentence_vector: str = "bounds"
+    plan: str = "step"
     reads_input_ids: ClassVar[bool] = True
     paper_name: ClassVar[str] = "SentenceKV"
     reads_step_queries: ClassVar[bool] = True
@@ -132,6 +174,9 @@ class SentencePress(SnapKVPress):
         for name in ("prompt_sentence", "centre"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SentencePress: {name} must be True or False; got {getattr(self, name)!r}.")
+        if self.plan not in ("layer", "step"):
+            raise ValueError(f"SentencePress: plan must be 'layer' (each layer at its query, the paper's) or 'step' "
+                             f"(every layer when a step begins); got {self.plan!r}.")
         if self.sentence_vector not in ("mean", "bounds"):
             raise ValueError(f"SentencePress: sentence_vector must be 'mean' (eq. 1) or 'bounds'; got "
                              f"{self.sentence_vector!r}.")
@@ -170,6 +215,8 @@ class SentencePress(SnapKVPress):
         cache.state.step_ids = forward.input_ids
         closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])
         forward.plan = closing if bool(closing.any()) else None  # None: no layer has work to do
+        if self.plan == "step":
+            self._plan_step(cache)
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
@@ -214,7 +261,7 @@ class SentencePress(SnapKVPress):
         state = layer.state
         state.slot_room = loading_room(state.slot_sentence[:, :1], state.sentence_sizes, state.fill)
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
-        self._load(layer, self._chosen(layer))
+        self._load(layer, self._chosen(layer.state))
 
     @staticmethod
     def _shared_keys(layer, call, valid, store):
@@ -289,9 +336,17 @@ class SentencePress(SnapKVPress):
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if call.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
-        layer.state.query_sum += queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
+        added = queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
+        stack = cache.state.stack
+        if stack is not None:  # `plan="step"`: selected and loaded when the step began; the query joins the sum
+            i = stack.ranks[call.module.layer_idx]
+            stack.query_sum.select(1, i).add_(added)  # (two ops; `[:, i] +=` takes four)
+            stack.step_queries[i], stack.before_reset = queries, None  # kept for `crop`
+            cache.seconds["select"] += time.perf_counter() - start
+            return
+        layer.state.query_sum += added
         layer.state.step_queries, layer.state.before_reset = queries, None  # kept for `crop`, no copy
-        chosen = self._chosen(layer)
+        chosen = self._chosen(layer.state)
         cache.seconds["select"] += time.perf_counter() - start
         start = time.perf_counter()
         copied = self._load(layer, chosen)
@@ -301,10 +356,11 @@ class SentencePress(SnapKVPress):
         cache.counts["selections"] += 1
 
     @staticmethod
-    def similarity(layer) -> torch.Tensor:
-        """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector (bounds: the bound)."""
+    def similarity(state) -> torch.Tensor:
+        """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector (bounds: the bound), from a
+        layer's state (or `(b, layers, h, S)` from a `LayerStack`)."""
         # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
-        query, keys = layer.state.query_sum, layer.state.sentence_keys
+        query, keys = state.query_sum, state.sentence_keys
         if keys.shape[-1] != query.shape[-1]:  # bounds [max | min]: q_i max_i where q_i > 0, q_i min_i elsewhere
             query = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)
         # A product and a sum, not a matmul: BLAS sends even this (S x d) product to its thread pool, which with
@@ -312,15 +368,16 @@ class SentencePress(SnapKVPress):
         return (keys * query).sum(dim=-1)
 
     @classmethod
-    def _chosen(cls, layer) -> torch.Tensor:
-        """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head."""
-        similarity = cls.similarity(layer)
+    def _chosen(cls, state) -> torch.Tensor:
+        """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head, from a
+        layer's state (or `(b, layers, h, R)` from a `LayerStack`)."""
+        similarity = cls.similarity(state)
         # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
         # sentences, then a per-slot test against a bound fixed at prefill, never a sort over stored tokens.
         ranked = similarity.argsort(dim=-1, descending=True, stable=True)
-        through = layer.state.sentence_sizes.expand_as(ranked).gather(-1, ranked).cumsum(-1)
+        through = state.sentence_sizes.expand_as(ranked).gather(-1, ranked).cumsum(-1)
         through = torch.empty_like(through).scatter_(-1, ranked, through)  # back in sentence order
-        return through.gather(-1, layer.state.slot_sentence) < layer.state.slot_room
+        return through.gather(-1, state.slot_sentence) < state.slot_room
 
     @staticmethod
     def _load(layer, chosen, one_read: bool | None = None) -> int:
@@ -356,27 +413,123 @@ class SentencePress(SnapKVPress):
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         closing, state = cache.forward.plan, layer.state
-        if state.query_sum is not None and closing is not None:
+        if cache.state.stack is None and state.query_sum is not None and closing is not None:
             state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
             state.query_sum[closing.to(state.query_sum.device)] = 0.0  # a new sentence starts
+
+    def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
+        stack, closing = cache.state.stack, cache.forward.plan
+        if stack is not None and closing is not None:  # every layer's at once
+            stack.before_reset = stack.query_sum.clone()  # for `crop`, at sentence ends only
+            stack.query_sum[closing.to(stack.query_sum.device)] = 0.0  # a new sentence starts
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept
         token decides whether a sentence ends instead."""
         ids = cache.state.step_ids  # the last forward's tokens
-        for layer in cache.compressed_layers():
-            state = layer.state
-            if state.step_queries is None:
+        layers, stack = cache.compressed_layers(), cache.state.stack
+        # `plan="step"`: the layers' sums are one tensor, cropped at once; the next step ranks with them.
+        for state in [layer.state for layer in layers] if stack is None else [stack]:
+            queries = state.step_queries  # (b, h, q, d); a plan's: a list over its layers
+            if stack is not None:
+                queries = None if queries[0] is None else torch.stack(queries, dim=1)
+            if queries is None:
                 continue
-            q, removed = state.step_queries.shape[2], layer.logical_len - length
+            q, removed = queries.shape[-2], layers[0].logical_len - length
             if removed > q:
                 raise ValueError(f"SentencePress: can only crop the last forward's {q} tokens; asked for {removed}.")
             total = state.query_sum if state.before_reset is None else state.before_reset
-            state.query_sum = total - state.step_queries[:, :, q - removed:].sum(dim=2, keepdim=True)
+            state.query_sum = total - queries[..., q - removed:, :].sum(dim=-2, keepdim=True)
             if removed < q:  # the forward's last kept token may end a sentence
                 ends = closes_sentence(self.tokenizer, ids[:, q - removed - 1]).to(state.query_sum.device)
                 state.query_sum[ends] = 0.0
-            state.step_queries = state.before_reset = None
+            state.before_reset = None
+            state.step_queries = None if stack is None else [None] * len(stack.ranks)
+
+    # --- plan="step" ---------------------------------------------------------------------------------------------
+    def _plan_step(self, cache: SparseCache) -> None:
+        """Rank and load every layer's sentences for the forward about to run, from the sums of the queries so far
+        (`plan="step"`); at the first forward after the prompt, stack the layers' states first."""
+        stack = cache.state.stack
+        if stack is None and not cache.state.per_layer:
+            stack = cache.state.stack = self._stack(cache)
+        if stack is None:  # the prompt, no layer compressed (every prompt token attended), or layers apart
+            return
+        start = time.perf_counter()
+        chosen = self._chosen(stack)
+        # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
+        empty = (stack.query_sum == 0).flatten(1).all(1)
+        chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
+        cache.seconds["select"] += time.perf_counter() - start
+        start = time.perf_counter()
+        copied = self._load_all(cache, stack, chosen)
+        cache.seconds["load"] += time.perf_counter() - start
+        cache.counts["loaded_tokens"] += copied
+        cache.counts["loads"] += copied > 0
+        cache.counts["selections"] += len(stack.ranks)
+        stack.step_queries = [None] * len(stack.ranks)
+
+    @staticmethod
+    def _stack(cache: SparseCache) -> LayerStack | None:
+        """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
+        their ranking state to it. All have the same store width (the budget sets it). Layers on several devices
+        (a `device_map` over GPUs) are not stacked: each ranks at its query (`plan="layer"`), and the `sparsekv`
+        logger says so."""
+        indices = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
+        layers = [cache.layers[i] for i in indices]
+        if not layers or any(layer.state.resident is None for layer in layers):
+            return None
+        devices = {layer.state.resident.device for layer in layers}
+        if len(devices) > 1:
+            _ranked_per_layer(tuple(sorted(map(str, devices))))
+            cache.state.per_layer = True
+            return None
+        width = max(layer.state.sentence_keys.shape[2] for layer in layers)
+        stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)})
+        for name in LayerStack.STACKED:
+            parts = [getattr(layer.state, name) for layer in layers]
+            if name == "sentence_keys":
+                parts = [nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in parts]
+            elif name == "sentence_sizes":
+                parts = [nn.functional.pad(t, (0, width - t.shape[2])) for t in parts]
+            setattr(stack, name, torch.stack(parts, dim=1))
+            for layer in layers:
+                setattr(layer.state, name, None)
+        stack.step_queries = [None] * len(layers)
+        return stack
+
+    @staticmethod
+    def _load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:
+        """`_load` for every layer at once: the slots entering and leaving each layer's selection found by one
+        `nonzero` over the stack (layers first, so each layer's are consecutive), then each layer whose selection
+        changed loads its own. Returns the tokens copied."""
+        resident, stack.resident = stack.resident, chosen
+        entering = (chosen > resident).transpose(0, 1)  # (layers, b, h, R)
+        counts = entering.sum(dim=(1, 2, 3)).tolist()  # one read on the host for every layer
+        if not any(counts):
+            return 0
+        pairs = torch.stack([entering, (resident > chosen).transpose(0, 1)]).nonzero()
+        n = pairs.shape[0] // 2  # as many leave as enter, per layer, row and head: they pair up in order
+        _, lay, row, head, slot = pairs[:n].unbind(-1)
+        target = stack.device_slot[tuple(pairs[n:, [2, 1, 3, 4]].unbind(-1))]  # the slots of those that leave
+        stack.device_slot[row, lay, head, slot] = target
+        layers, end = cache.compressed_layers(), 0
+        store = layers[0].store_keys  # every layer's has the same shape (the stack's)
+        # An offloaded store: every layer's flat index copied to it at once (on a GPU, one wait, not one a layer).
+        index = flat_index(store, row, head, slot) if store.device != row.device else None
+        for layer, count in zip(layers, counts):
+            if count:
+                part = slice(end, end + count)
+                layer.load(row[part], head[part], slot[part], target[part], None if index is None else index[part])
+                end += count
+        return n
+
+
+@functools.lru_cache(maxsize=None)
+def _ranked_per_layer(devices: tuple[str, ...]) -> None:
+    """Say once per set of devices that `plan="step"` ranks each layer at its query there."""
+    logger.warning("SentencePress: the layers are on several devices (%s), so plan='step' cannot rank them at "
+                   "once; each layer ranks at its own query instead, as with plan='layer'.", ", ".join(devices))
 
 
 def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
