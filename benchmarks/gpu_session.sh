@@ -41,7 +41,8 @@ run tests 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --
 
 SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
 run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
-  --repeats 3 --count-syncs --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/decode32k_b1.json"
+  --repeats 3 --count-syncs --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer \
+  --json "$OUT/decode32k_b1.json"
 run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
   --presses snapkv,streamingllm,chunkkv,h2o
 run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
