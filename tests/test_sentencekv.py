@@ -235,20 +235,22 @@ class RankedBeforeTheQuery(SentencePress):
         state.query_sum += queries.sum(dim=2, keepdim=True)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_step(arch):
+def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_step(arch, rows):
     """`plan="step"` ranks and loads every layer when a step begins: the same slots, KV and logits as each layer
-    ranking at its own query with the sums of the queries before the step's (a padded batch of two; the tokens fed
-    end a sentence twice, so the sums restart and a row keeps its selection while its new sentence is empty).
-    Layers on one device stack; the padding of sentences between layers (each keeps its own count) is never
-    loaded."""
+    ranking at its own query with the sums of the queries before the step's (one row, and a padded batch of two;
+    the tokens fed end a sentence twice, so the sums restart and a row keeps its selection while its new sentence
+    is empty). Llama's queries are kept as projections and rotated for every layer at once after the last (one
+    RoPE matrix for the step, or one per row), Gemma3's (normed per layer) each at its layer; the padding of
+    sentences between layers (each keeps its own count) is never loaded."""
     model = make_model(arch, vocab_size=420)
-    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
+    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])[:rows]
     mask = torch.ones_like(ids)
-    mask[1, :9] = 0
+    mask[1:, :9] = 0
     ids = ids.masked_fill(mask == 0, 0)
     period = make_tokenizer().convert_tokens_to_ids(".")
-    fed = prompt(12, batch=2, seed=5)
+    fed = prompt(12, batch=2, seed=5)[:rows]
     fed[:, 3], fed[0, 8] = period, period
     runs = []
     for p in (press(budget=30, plan="step"), RankedBeforeTheQuery(make_tokenizer(), n_sinks=4, window_size=8,

@@ -43,6 +43,7 @@ class LayerStack(RowState):
     """
 
     ranks: dict[int, int] = field(default_factory=dict)  # layer index -> its index on dim 1
+    last: int = -1  # the last stacked layer's index: the step's queries join the sums after it
     query_sum: torch.Tensor | None = None  # (batch, layers, kv_heads, 1, head_dim)
     sentence_keys: torch.Tensor | None = None  # (batch, layers, kv_heads, sentences, head_dim or 2 head_dim)
     sentence_sizes: torch.Tensor | None = None  # (batch, layers, 1, sentences)
@@ -50,7 +51,13 @@ class LayerStack(RowState):
     slot_room: torch.Tensor | None = None  # (batch, layers, 1, R)
     resident: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
     device_slot: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
-    step_queries: list = field(default_factory=list)  # per layer, the last forward's `(batch, kv_heads, q, d)`
+    step_queries: list | torch.Tensor = field(default_factory=list)  # per layer, the last forward's queries
+    # `(batch, kv_heads, q, d)`, or all layers' `(batch, layers, kv_heads, 1, d)` when they were added at once
+    projected: list = field(default_factory=list)  # per layer, a one-token step's query projection, until `last`
+    rope: torch.Tensor | None = None  # the RoPE matrix of those projections (the step's, shared by its layers)
+    heads: int = 0  # query heads per layer
+
+    shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
 
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
@@ -144,7 +151,7 @@ class SentencePress(SnapKVPress):
             step begins, from the mean query of the sentence's tokens before the step's (right after a sentence
             end, each row keeps its selection until a token of the new sentence is seen): one ranking and three
             host reads a step for all layers instead of a ranking and one or two reads per layer, which made a
-            step cost 1.31x the oracle's on a CPU against 1.18x (docs/decode_vs_oracle.md); the same answers in
+            step cost 1.33x the oracle's on a CPU against 1.14x (docs/decode_vs_oracle.md); the same answers in
             every cell measured (docs/results.md). "layer" (the paper's Algorithm 1): each layer at each step,
             once it has the step's query, which its mean query includes.
     """
@@ -333,11 +340,17 @@ class SentencePress(SnapKVPress):
         if layer.store_keys is None:
             return
         start = time.perf_counter()
+        stack = cache.state.stack
+        if stack is not None and call.rope is not None and call.input_valid is None \
+                and not hasattr(call.module, "q_norm") and (stack.rope is None or stack.rope is call.rope):
+            # `plan="step"`, one token: its projection is kept as it is, and every layer's is grouped and rotated
+            # at once after the last layer (`_add_queries`): no op here.
+            stack.projected[stack.ranks[call.module.layer_idx]], stack.rope = call.projected, call.rope
+            return
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if call.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
         added = queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
-        stack = cache.state.stack
         if stack is not None:  # `plan="step"`: selected and loaded when the step began; the query joins the sum
             i = stack.ranks[call.module.layer_idx]
             stack.query_sum.select(1, i).add_(added)  # (two ops; `[:, i] +=` takes four)
@@ -412,16 +425,16 @@ class SentencePress(SnapKVPress):
         return slot.numel()
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        closing, state = cache.forward.plan, layer.state
-        if cache.state.stack is None and state.query_sum is not None and closing is not None:
+        closing, state, stack = cache.forward.plan, layer.state, cache.state.stack
+        if stack is not None:  # every layer's at once, after the last
+            if call.module.layer_idx == stack.last:
+                self._add_queries(cache, stack)
+                if closing is not None:
+                    stack.before_reset = stack.query_sum.clone()  # for `crop`, at sentence ends only
+                    stack.query_sum[closing.to(stack.query_sum.device)] = 0.0  # a new sentence starts
+        elif state.query_sum is not None and closing is not None:
             state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
             state.query_sum[closing.to(state.query_sum.device)] = 0.0  # a new sentence starts
-
-    def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
-        stack, closing = cache.state.stack, cache.forward.plan
-        if stack is not None and closing is not None:  # every layer's at once
-            stack.before_reset = stack.query_sum.clone()  # for `crop`, at sentence ends only
-            stack.query_sum[closing.to(stack.query_sum.device)] = 0.0  # a new sentence starts
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept
@@ -430,8 +443,8 @@ class SentencePress(SnapKVPress):
         layers, stack = cache.compressed_layers(), cache.state.stack
         # `plan="step"`: the layers' sums are one tensor, cropped at once; the next step ranks with them.
         for state in [layer.state for layer in layers] if stack is None else [stack]:
-            queries = state.step_queries  # (b, h, q, d); a plan's: a list over its layers
-            if stack is not None:
+            queries = state.step_queries  # (b, h, q, d); a plan's: a list over its layers, or stacked already
+            if stack is not None and isinstance(queries, list):
                 queries = None if queries[0] is None else torch.stack(queries, dim=1)
             if queries is None:
                 continue
@@ -470,6 +483,39 @@ class SentencePress(SnapKVPress):
         stack.step_queries = [None] * len(stack.ranks)
 
     @staticmethod
+    def _add_queries(cache: SparseCache, stack: LayerStack) -> None:
+        """Add the one-token step's queries that `on_queries` kept as projections to every layer's sum: grouped by
+        KV head and rotated in one product for all layers (the step's RoPE matrix, tiled over a group), where each
+        layer took five ops of its own."""
+        kept = [i for i, projected in enumerate(stack.projected) if projected is not None]
+        if not kept:
+            return
+        start = time.perf_counter()
+        kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
+        projected = torch.stack([stack.projected[i] for i in kept], dim=1)[..., : heads * d]  # (b, n, 1, H d)
+        b, n = projected.shape[:2]
+        matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
+        matrix = matrix if matrix.dtype == projected.dtype else matrix.to(projected.dtype)
+        grouped = projected.reshape(b, n * kv, heads // kv * d)
+        if matrix.dim() == 2:
+            queries = grouped.flatten(0, 1) @ matrix
+        else:  # a row's own position (a padded batch)
+            queries = torch.bmm(grouped, matrix.view(b, heads // kv * d, d))
+        queries = queries.float().view(b, n, kv, 1, d)
+        if n == len(stack.projected):  # (the common case)
+            stack.query_sum += queries
+        else:
+            stack.query_sum.index_add_(1, torch.tensor(kept, device=queries.device), queries)
+        if n == len(stack.projected):
+            stack.step_queries = queries  # for `crop`: every layer's, stacked
+        else:
+            for j, i in enumerate(kept):
+                stack.step_queries[i] = queries[:, j]
+        stack.before_reset = None
+        stack.projected, stack.rope = [None] * len(stack.projected), None
+        cache.seconds["select"] += time.perf_counter() - start
+
+    @staticmethod
     def _stack(cache: SparseCache) -> LayerStack | None:
         """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
         their ranking state to it. All have the same store width (the budget sets it). Layers on several devices
@@ -485,7 +531,8 @@ class SentencePress(SnapKVPress):
             cache.state.per_layer = True
             return None
         width = max(layer.state.sentence_keys.shape[2] for layer in layers)
-        stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)})
+        stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1],
+                           heads=cache.config.get_text_config(decoder=True).num_attention_heads)
         for name in LayerStack.STACKED:
             parts = [getattr(layer.state, name) for layer in layers]
             if name == "sentence_keys":
@@ -495,7 +542,7 @@ class SentencePress(SnapKVPress):
             setattr(stack, name, torch.stack(parts, dim=1))
             for layer in layers:
                 setattr(layer.state, name, None)
-        stack.step_queries = [None] * len(layers)
+        stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
         return stack
 
     @staticmethod
@@ -513,15 +560,13 @@ class SentencePress(SnapKVPress):
         _, lay, row, head, slot = pairs[:n].unbind(-1)
         target = stack.device_slot[tuple(pairs[n:, [2, 1, 3, 4]].unbind(-1))]  # the slots of those that leave
         stack.device_slot[row, lay, head, slot] = target
-        layers, end = cache.compressed_layers(), 0
-        store = layers[0].store_keys  # every layer's has the same shape (the stack's)
+        loading = [layer for layer, count in zip(cache.compressed_layers(), counts) if count]
+        sizes = [count for count in counts if count]
+        store = loading[0].store_keys  # every layer's has the same shape (the stack's)
         # An offloaded store: every layer's flat index copied to it at once (on a GPU, one wait, not one a layer).
-        index = flat_index(store, row, head, slot) if store.device != row.device else None
-        for layer, count in zip(layers, counts):
-            if count:
-                part = slice(end, end + count)
-                layer.load(row[part], head[part], slot[part], target[part], None if index is None else index[part])
-                end += count
+        index = flat_index(store, row, head, slot).split(sizes) if store.device != row.device else [None] * len(sizes)
+        for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), index):
+            layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
         return n
 
 
