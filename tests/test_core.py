@@ -382,16 +382,25 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     assert rope_matrix(shared, module.head_dim) is None
 
 
-def test_h2o_eager_weights_and_sdpa_recompute_agree():
+@pytest.mark.parametrize("padded", [False, True])
+def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
+    """The attention H2O adds up while decoding: eager's weights, or (sdpa) each step's rows recomputed after the
+    last layer from every layer's query rotated at once (one RoPE matrix, or one per row in a padded batch)."""
     kept = {}
+    ids, mask = left_padded((40, 60), 60) if padded else (prompt(60), None)
     for impl in ("eager", "sdpa"):
         model = make_model("llama", impl)
         with H2OPress(budget=20)(model):
-            out = model(prompt(60))
+            seen = mask  # each row's own positions, as generate gives them
+            positions = None if seen is None else (seen.cumsum(-1) - 1).clamp(min=0)
+            out = model(ids, attention_mask=seen, position_ids=positions)
             cache = out.cache
             token = out.logits[:, -1:].argmax(-1)
             for _ in range(5):
-                out = model(token, cache=cache)
+                if seen is not None:
+                    seen = torch.cat([seen, torch.ones_like(token)], dim=1)
+                    positions = seen.sum(-1, keepdim=True) - 1
+                out = model(token, cache=cache, attention_mask=seen, position_ids=positions)
                 token = out.logits[:, -1:].argmax(-1)
         kept[impl] = [layer.positions.sort(-1).values for layer in compressed_layers(cache)]
         scores = [layer.extra["received"] for layer in compressed_layers(cache)]

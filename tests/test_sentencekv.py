@@ -255,11 +255,13 @@ def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_ste
     runs = []
     for p in (press(budget=30, plan="step"), RankedBeforeTheQuery(make_tokenizer(), n_sinks=4, window_size=8,
                                                                    budget=30)):
-        with p(model), torch.no_grad():
-            out, seen, logits = model(ids, attention_mask=mask), mask, []
+        with p(model), torch.no_grad():  # each row's own positions, as generate gives them
+            out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+            seen, logits = mask, []
             for t in range(fed.shape[1]):
                 seen = torch.cat([seen, torch.ones_like(fed[:, :1])], dim=1)
-                out = model(fed[:, t:t + 1], attention_mask=seen, cache=out.cache)
+                out = model(fed[:, t:t + 1], attention_mask=seen, cache=out.cache,
+                            position_ids=seen.sum(-1, keepdim=True) - 1)
                 logits.append(out.logits[:, -1])
         runs.append((out.cache, torch.stack(logits, 1)))
     (planned, planned_logits), (reference, reference_logits) = runs

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall
+from ..attention import AttentionCall, attention_probs
 from ..cache import Forward, KVLayer, SparseCache, victim_indices
 from ..press import Press, check_number
 
@@ -110,13 +110,50 @@ class H2OPress(Press):
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         plan = cache.forward.plan
         if layer.compressed:
-            self.add_received(layer, call)
             if call.q_len == 1 and layer.slots == plan.budget + 1:
                 plan.waiting.append(layer)  # one victim to find: with the other layers', at the last layer
+                if not self._defer(plan, layer, call):
+                    self.add_received(layer, call)
             else:
+                self.add_received(layer, call)
                 self.hold_budget(cache, layer, self.layer_scores(cache, layer))
         if layer is plan.last and plan.waiting:
+            self.add_deferred(plan)
             self.evict_together(plan)
+
+    @staticmethod
+    def _defer(plan: _Step, layer: KVLayer, call: AttentionCall) -> bool:
+        """Keep a one-token step's query projection for `add_deferred` (its attention row is needed only for the
+        victim found after the last layer), when its row needs no mask and its RoPE is the step's shared matrix."""
+        if call.weights is not None or call.scaled_rope is None or call.input_valid is not None or \
+                not layer.all_valid or hasattr(call.module, "q_norm") or \
+                plan.deferred and plan.deferred[0][1].scaled_rope is not call.scaled_rope:
+            return False
+        plan.deferred.append((layer, call))
+        return True
+
+    def add_deferred(self, plan: _Step) -> None:
+        """The attention rows of the layers `_defer` kept: every layer's query rotated and scaled in one product
+        with the step's RoPE matrix (three ops a layer before), then each layer's row over its own keys."""
+        if not plan.deferred:
+            return
+        layers, calls = zip(*plan.deferred)
+        module = calls[0].module
+        d = module.head_dim
+        heads = module.config.num_attention_heads
+        projected = torch.stack([call.projected for call in calls], dim=1)[..., : heads * d]  # (b, n, 1, H d)
+        b, n = projected.shape[:2]
+        matrix = calls[0].scaled_rope
+        matrix = matrix if matrix.dtype == projected.dtype else matrix.to(projected.dtype)
+        if matrix.dim() == 4 and matrix.shape[0] == 1:
+            matrix = matrix.view(d, d)
+        if matrix.dim() == 2:
+            queries = (projected.reshape(-1, d) @ matrix).view(b, n, heads, 1, d)
+        else:  # a row's own position (a padded batch)
+            queries = torch.bmm(projected.reshape(b, -1, d), matrix.view(b, d, d)).view(b, n, heads, 1, d)
+        for layer, q in zip(layers, queries.unbind(1)):
+            layer.extra["received"] += attention_probs(module, q, layer.keys, None).sum(dim=(2, 3))
+        plan.deferred = []
 
     def add_received(self, layer: KVLayer, call: AttentionCall) -> None:
         """Add the attention the step's queries gave every slot (summed over each KV head's query heads)."""
@@ -165,3 +202,4 @@ class _Step:
     budget: int
     last: KVLayer
     waiting: list[KVLayer] = field(default_factory=list)
+    deferred: list[tuple[KVLayer, AttentionCall]] = field(default_factory=list)  # rows for `add_deferred`
