@@ -23,7 +23,8 @@ class H2OPress(Press):
 
     The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix); decoding
     uses the step's attention weights (eager) or recomputes the one query's row (sdpa, flash), and finds every
-    layer's victim at once, after the last layer.
+    layer's victim at once, after the last layer; there too the rows are recomputed, every layer's query rotated
+    in one product (`add_deferred`).
 
     Args:
         ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1].

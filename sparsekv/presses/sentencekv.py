@@ -502,13 +502,11 @@ class SentencePress(SnapKVPress):
         else:  # a row's own position (a padded batch)
             queries = torch.bmm(grouped, matrix.view(b, heads // kv * d, d))
         queries = queries.float().view(b, n, kv, 1, d)
-        if n == len(stack.projected):  # (the common case)
+        if n == len(stack.projected):  # every layer's (the common case)
             stack.query_sum += queries
+            stack.step_queries = queries  # for `crop`, stacked
         else:
             stack.query_sum.index_add_(1, torch.tensor(kept, device=queries.device), queries)
-        if n == len(stack.projected):
-            stack.step_queries = queries  # for `crop`: every layer's, stacked
-        else:
             for j, i in enumerate(kept):
                 stack.step_queries[i] = queries[:, j]
         stack.before_reset = None
