@@ -57,24 +57,27 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
     if grouped and rope_matrix is not None:  # one token: its group's sum and rotation are one product
         kv = module.config.num_key_value_heads
         width = module.config.num_attention_heads // kv * d  # a KV head's query heads, side by side
-        matrix = rope_matrix if rope_matrix.dtype == q.dtype else rope_matrix.to(q.dtype)
-        if matrix.shape[-2] != width:  # not tiled by the caller
-            matrix = tile_rope(matrix, width // d)
-        if matrix.dim() == 4 and matrix.shape[0] == 1:
-            matrix = matrix.view(width, d)
-        if matrix.dim() == 2:  # (batch * kv_heads, group * d) @ (group * d, d)
-            return (q.reshape(b * kv, width) @ matrix).view(b, kv, 1, d)
-        return torch.bmm(q.reshape(b, kv, width), matrix.view(b, width, d)).unsqueeze(2)
+        matrix = rope_matrix if rope_matrix.shape[-2] == width else tile_rope(rope_matrix, width // d)
+        return rope_product(q, matrix, b).view(b, kv, 1, d)  # (batch * kv_heads, group * d) @ (group * d, d)
     if grouped:
         q = q.reshape(b, n, module.config.num_key_value_heads, -1, d).sum(3)
     if rope_matrix is not None:  # one token: a plain (batched) product, no broadcast copy of the matrix
-        matrix = rope_matrix if rope_matrix.dtype == q.dtype else rope_matrix.to(q.dtype)
-        if matrix.dim() == 4 and matrix.shape[0] == 1:
-            matrix = matrix.view(d, d)
-        if matrix.dim() == 2:  # one position for every row: (batch * heads, d) @ (d, d)
-            return (q.reshape(-1, d) @ matrix).view(b, -1, 1, d)
-        return torch.bmm(q.reshape(b, -1, d), matrix.view(b, d, d)).unsqueeze(2)
+        return rope_product(q, rope_matrix, b).view(b, -1, 1, d)
     return rotate(q.transpose(1, 2), position_embeddings)
+
+
+def rope_product(q: torch.Tensor, matrix: torch.Tensor, batch: int) -> torch.Tensor:
+    """One-token queries `q` (`batch` rows, any layout) rotated by a step's RoPE matrix in one product, no
+    broadcast copy of the matrix: `matrix` is `(w, d)` when every row has the same position (`rope_matrix`, or its
+    `tile_rope` of width `w`, scaled or not), or `(batch, 1, w, d)`, each row its own; `q`'s channels are taken
+    `w` at a time. Returns `(batch * m, d)` or `(batch, m, d)` (the caller views it): its `m` rotated vectors."""
+    w, d = matrix.shape[-2:]
+    matrix = matrix if matrix.dtype == q.dtype else matrix.to(q.dtype)
+    if matrix.dim() == 4 and matrix.shape[0] == 1:
+        matrix = matrix.view(w, d)
+    if matrix.dim() == 2:
+        return q.reshape(-1, w) @ matrix
+    return torch.bmm(q.reshape(batch, -1, w), matrix.view(batch, w, d))
 
 
 def tile_rope(matrix: torch.Tensor, group: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall, attention_probs
+from ..attention import AttentionCall, attention_probs, rope_product
 from ..cache import Forward, KVLayer, SparseCache, victim_indices
 from ..press import Press, check_number
 
@@ -144,14 +144,7 @@ class H2OPress(Press):
         heads = module.config.num_attention_heads
         projected = torch.stack([call.projected for call in calls], dim=1)[..., : heads * d]  # (b, n, 1, H d)
         b, n = projected.shape[:2]
-        matrix = calls[0].scaled_rope
-        matrix = matrix if matrix.dtype == projected.dtype else matrix.to(projected.dtype)
-        if matrix.dim() == 4 and matrix.shape[0] == 1:
-            matrix = matrix.view(d, d)
-        if matrix.dim() == 2:
-            queries = (projected.reshape(-1, d) @ matrix).view(b, n, heads, 1, d)
-        else:  # a row's own position (a padded batch)
-            queries = torch.bmm(projected.reshape(b, -1, d), matrix.view(b, d, d)).view(b, n, heads, 1, d)
+        queries = rope_product(projected, calls[0].scaled_rope, b).view(b, n, heads, 1, d)
         for layer, q in zip(layers, queries.unbind(1)):
             layer.extra["received"] += attention_probs(module, q, layer.keys, None).sum(dim=(2, 3))
         plan.deferred = []

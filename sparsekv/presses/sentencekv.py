@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..attention import AttentionCall, rotate
+from ..attention import AttentionCall, rope_product, rotate
 from ..cache import Forward, KVLayer, SparseCache, StoreLayer
 from ..layers import flat_index
 from ..press import check_number
@@ -56,10 +56,9 @@ class LayerStack(RowState):
     projected: list = field(default_factory=list)  # per layer, a one-token step's query projection, until `last`
     rope: torch.Tensor | None = None  # the RoPE matrix of those projections (the step's, shared by its layers)
     heads: int = 0  # query heads per layer
-
-    shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
 
+    shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
                                           "slot_room", "resident", "device_slot")
 
@@ -429,12 +428,9 @@ class SentencePress(SnapKVPress):
         if stack is not None:  # every layer's at once, after the last
             if call.module.layer_idx == stack.last:
                 self._add_queries(cache, stack)
-                if closing is not None:
-                    stack.before_reset = stack.query_sum.clone()  # for `crop`, at sentence ends only
-                    stack.query_sum[closing.to(stack.query_sum.device)] = 0.0  # a new sentence starts
-        elif state.query_sum is not None and closing is not None:
-            state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
-            state.query_sum[closing.to(state.query_sum.device)] = 0.0  # a new sentence starts
+                end_sentence(stack, closing)
+        elif state.query_sum is not None:
+            end_sentence(state, closing)
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept
@@ -495,13 +491,7 @@ class SentencePress(SnapKVPress):
         projected = torch.stack([stack.projected[i] for i in kept], dim=1)[..., : heads * d]  # (b, n, 1, H d)
         b, n = projected.shape[:2]
         matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
-        matrix = matrix if matrix.dtype == projected.dtype else matrix.to(projected.dtype)
-        grouped = projected.reshape(b, n * kv, heads // kv * d)
-        if matrix.dim() == 2:
-            queries = grouped.flatten(0, 1) @ matrix
-        else:  # a row's own position (a padded batch)
-            queries = torch.bmm(grouped, matrix.view(b, heads // kv * d, d))
-        queries = queries.float().view(b, n, kv, 1, d)
+        queries = rope_product(projected, matrix, b).float().view(b, n, kv, 1, d)
         if n == len(stack.projected):  # every layer's (the common case)
             stack.query_sum += queries
             stack.step_queries = queries  # for `crop`, stacked
@@ -573,6 +563,14 @@ def _ranked_per_layer(devices: tuple[str, ...]) -> None:
     """Say once per set of devices that `plan="step"` ranks each layer at its query there."""
     logger.warning("SentencePress: the layers are on several devices (%s), so plan='step' cannot rank them at "
                    "once; each layer ranks at its own query instead, as with plan='layer'.", ", ".join(devices))
+
+
+def end_sentence(state, closing: torch.Tensor | None) -> None:
+    """Rows `closing` `(batch,)` ended a sentence: their mean query (a layer's `query_sum`, or a stack's) starts
+    anew, and the sums before are kept for `crop`. None: no row did."""
+    if closing is not None:
+        state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
+        state.query_sum[closing.to(state.query_sum.device)] = 0.0  # a new sentence starts
 
 
 def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
