@@ -5,6 +5,7 @@
 # batch each fits in the full cache's batch-1 memory, the prefill's peak with the prompt in pieces,
 # `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
+# PROFILE_PRESSES and CHUNKED_PRESSES, when set, replace the press lists of profile32k and chunked32k.
 #
 #   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
@@ -44,7 +45,7 @@ run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --leng
   --repeats 3 --count-syncs --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer \
   --json "$OUT/decode32k_b1.json"
 run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
-  --presses snapkv,streamingllm,chunkkv,h2o
+  --presses "${PROFILE_PRESSES:-snapkv,streamingllm,chunkkv,h2o}"
 run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
   --repeats 2 --no-full --presses snapkv,streamingllm,chunkkv --json "$OUT/decode32k_b8.json"
 # The full cache at batch 1 and 32k took 16.06 GB of weights + 7.8 GB at its peak (docs/gpu.md): 24 GB.
@@ -52,7 +53,7 @@ run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 3
   --presses snapkv,streamingllm,chunkkv,sentencekv --memory-budget 24 --max-batch 16
 # The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
 run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
-  --presses snapkv,streamingllm --new-tokens 4
+  --presses "${CHUNKED_PRESSES:-snapkv,streamingllm}" --new-tokens 4
 run bench32k 100 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 32 \
   --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/bench32k.json"
 run decode128k_b1 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 131000 --batch 1 --steps 16 \
