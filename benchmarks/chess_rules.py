@@ -59,10 +59,11 @@ def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor,
     """Each page's bound `(1, pages)` against the anchor, `sum_i max(a_i max_i, a_i min_i)` over the channels of
     its tokens' keys before RoPE, centred as `page_vectors` centres page vectors, and the candidate pages
     `(1, pages)` (one row, `n` prompt tokens)."""
-    cos, sin = model.model.rotary_emb(torch.zeros(1, n, 1), torch.arange(n)[None])
+    device = cache.layers[cache.state.columns[0]].store_keys.device
+    cos, sin = model.model.rotary_emb(torch.zeros(1, n, 1, device=device), torch.arange(n, device=device)[None])
     keys = torch.cat([rotate(cache.layers[i].store_keys[:, :, :n].float(), (cos, sin), inverse=True)
                       .permute(0, 2, 1, 3).flatten(2) for i in cache.state.columns], dim=-1)[0]  # (n, D)
-    lengths = torch.tensor([n])
+    lengths = torch.tensor([n], device=device)
     _, anchor, candidate = press.page_vectors(cache.state.page_sums, lengths)
     plain, _, _ = dataclasses.replace(press, centre=False).page_vectors(cache.state.page_sums, lengths)
     keys = keys - masked_mean(plain, candidate, dim=1)[0]  # the centre `page_vectors` subtracted

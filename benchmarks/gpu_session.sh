@@ -5,7 +5,8 @@
 # batch each fits in the full cache's batch-1 memory, the prefill's peak with the prompt in pieces,
 # `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
-# PROFILE_PRESSES and CHUNKED_PRESSES, when set, replace the press lists of profile32k and chunked32k.
+# B1_PRESSES, B8_PRESSES, PROFILE_PRESSES and CHUNKED_PRESSES, when set, replace the press lists of decode32k_b1,
+# decode32k_b8, profile32k and chunked32k.
 #
 #   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
@@ -41,13 +42,14 @@ run tests 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --
   tests/test_sentencekv.py tests/test_chunkkv.py tests/test_prefill.py tests/test_errors.py tests/test_registry.py
 
 SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
+B1_PRESSES=${B1_PRESSES:-snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer}
 run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
-  --repeats 3 --count-syncs --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer \
+  --repeats 3 --count-syncs --presses "$B1_PRESSES" \
   --json "$OUT/decode32k_b1.json"
 run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
   --presses "${PROFILE_PRESSES:-snapkv,streamingllm,chunkkv,h2o}"
 run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
-  --repeats 2 --no-full --presses snapkv,streamingllm,chunkkv --json "$OUT/decode32k_b8.json"
+  --repeats 2 --no-full --presses "${B8_PRESSES:-snapkv,streamingllm,chunkkv}" --json "$OUT/decode32k_b8.json"
 # The full cache at batch 1 and 32k took 16.06 GB of weights + 7.8 GB at its peak (docs/gpu.md): 24 GB.
 run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
   --presses snapkv,streamingllm,chunkkv,sentencekv --memory-budget 24 --max-batch 16

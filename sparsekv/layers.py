@@ -446,20 +446,21 @@ class StoreLayer(KVLayer):
         self.compressed = True
 
     def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
-             index: torch.Tensor | None = None) -> None:
+             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
-        from the store and one write per tensor, every head at once). `index`: their `flat_index` on the store's
-        device, when the caller made it (one copy to an offloaded store's device for several layers).
+        from the store and one write per tensor, every head at once). `rows`: those slots' keys and values
+        `(n, d)` on this layer's device, when the caller gathered them (several layers' from an offloaded store,
+        in one copy to the device).
 
         The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
         tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""
-        if self.store_keys.device == row.device:
-            self.keys[row, head, target] = self.store_keys[row, head, slot]
-            self.values[row, head, target] = self.store_values[row, head, slot]
-        else:  # an offloaded store: one index to its device, not three, and rows gathered into pinned memory
-            index = flat_index(self.store_keys, row, head, slot) if index is None else index
-            self.keys[row, head, target] = gather_rows(self.store_keys, index).to(self.device, non_blocking=True)
-            self.values[row, head, target] = gather_rows(self.store_values, index).to(self.device, non_blocking=True)
+        if rows is None and self.store_keys.device == row.device:
+            rows = self.store_keys[row, head, slot], self.store_values[row, head, slot]
+        elif rows is None:  # an offloaded store: one index to its device, not three, and rows into pinned memory
+            index = [flat_index(self.store_keys, row, head, slot)]
+            rows = [gather_rows([t], index).to(self.device, non_blocking=True)
+                    for t in (self.store_keys, self.store_values)]
+        self.keys[row, head, target], self.values[row, head, target] = rows
         positions = self.positions if self.pending is not None else self.__dict__["_positions"]
         positions[row, head, target] = self.store_positions[row, slot]
 
@@ -526,17 +527,21 @@ def flat_index(store: torch.Tensor, row: torch.Tensor, head: torch.Tensor, slot:
     return ((row * h + head) * r + slot).to(store.device)
 
 
-def gather_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`store`'s rows `index` (`flat_index`) as `(n, d)`; from a pinned store into pinned memory (torch's cached
-    blocks), so that the copy to the GPU that follows is asynchronous."""
-    if not store.is_contiguous():  # (sparsekv's stores are; any other is indexed by the flat index's parts)
-        _, h, r, _ = store.shape
-        return store[index // (h * r), index // r % h, index % r]
-    flat = store.view(-1, store.shape[-1])
-    if not store.is_pinned():
-        return flat.index_select(0, index)
-    out = torch.empty(index.numel(), flat.shape[-1], dtype=flat.dtype, pin_memory=True)
-    return torch.index_select(flat, 0, index, out=out)
+def gather_rows(stores: list[torch.Tensor], indexes: list[torch.Tensor]) -> torch.Tensor:
+    """The rows `indexes[i]` (`flat_index`) of `stores[i]`, one store's after the other, as one `(n, d)` tensor on
+    their device; from pinned stores into pinned memory (torch's cached blocks), so that the one copy to the GPU
+    that follows is asynchronous. Every store has the same width and dtype (a cache's layers' stores)."""
+    first = stores[0]
+    sizes = [index.numel() for index in indexes]
+    out = torch.empty(sum(sizes), first.shape[-1], dtype=first.dtype, device=first.device,
+                      pin_memory=first.is_pinned())
+    for store, index, part in zip(stores, indexes, out.split(sizes)):
+        if store.is_contiguous():  # sparsekv's stores are
+            torch.index_select(store.view(-1, store.shape[-1]), 0, index, out=part)
+        else:  # any other is indexed by the flat index's parts
+            _, h, r, _ = store.shape
+            part.copy_(store[index // (h * r), index // r % h, index % r])
+    return out
 
 
 def append_in_place(current: torch.Tensor, new: torch.Tensor | int | bool, dim: int) -> torch.Tensor:

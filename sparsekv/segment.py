@@ -69,6 +69,7 @@ def sentence_ids(tokenizer, input_ids: torch.Tensor, valid: torch.Tensor | None 
 
 
 def closes_sentence(tokenizer, token_ids: torch.Tensor) -> torch.Tensor:
-    """Whether each generated token `(batch,)` ends a sentence (final punctuation, or a line break)."""
+    """Whether each generated token `(batch,)` ends a sentence (final punctuation, or a line break), on the host:
+    the tokens' texts are read there, and a caller that finds no sentence end has nothing to send to the device."""
     texts = token_texts(tokenizer, token_ids.tolist())
-    return torch.tensor([bool(_CLOSING.search(t)) for t in texts], device=token_ids.device)
+    return torch.tensor([bool(_CLOSING.search(t)) for t in texts])

@@ -193,7 +193,7 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
         # on what attention read, so there it equals the direct forward's; a deeper layer's query of the kept token
         # does (the draft's selection was made with all three tokens' queries): there it is the draft forward's.
         torch.testing.assert_close(query_sums(cropped)[0], query_sums(direct)[0])
-        ends = closes_sentence(make_tokenizer(), extra[:, 0])[:, None, None, None]
+        ends = closes_sentence(make_tokenizer(), extra[:, 0]).to(extra.device)[:, None, None, None]
         for total, sum_before, query in zip(query_sums(cropped), before, kept):
             torch.testing.assert_close(total, torch.where(ends, 0.0, sum_before + query))
 

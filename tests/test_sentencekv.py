@@ -426,18 +426,20 @@ def test_alias_repr_and_errors():
 
 
 def test_an_offloaded_stores_rows_are_gathered_by_one_flat_index():
-    """`StoreLayer.load` from a store on another device moves one flat index there, not three: the rows it
-    gathers are the store's `(row, head, slot)` rows, in order (keys and values of other widths alike)."""
+    """`StoreLayer.load` from a store on another device moves one flat index there, not three, and `_load_all`
+    gathers every loading layer's rows into one buffer (one copy to the GPU per tensor): the rows gathered are
+    each store's `(row, head, slot)` rows, one store's after the other, in order."""
     from sparsekv.layers import flat_index, gather_rows
 
     gen = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(2, 3, 10, 4, generator=gen), torch.randn(2, 3, 10, 6, generator=gen)
+    keys, other = torch.randn(2, 3, 10, 4, generator=gen), torch.randn(2, 3, 10, 4, generator=gen)
     row, head, slot = torch.tensor([1, 0, 1, 1]), torch.tensor([2, 0, 0, 2]), torch.tensor([9, 3, 0, 4])
     index = flat_index(keys, row, head, slot)
-    assert torch.equal(gather_rows(keys, index), keys[row, head, slot])
-    assert torch.equal(gather_rows(values, index), values[row, head, slot])
+    assert torch.equal(gather_rows([keys], [index]), keys[row, head, slot])
+    both = gather_rows([keys, other], [index, index[1:3]])
+    assert torch.equal(both, torch.cat([keys[row, head, slot], other[row[1:3], head[1:3], slot[1:3]]]))
     strided = keys.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, laid out otherwise
-    assert torch.equal(gather_rows(strided, index), keys[row, head, slot])
+    assert torch.equal(gather_rows([strided, keys], [index, index]), torch.cat([keys[row, head, slot]] * 2))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

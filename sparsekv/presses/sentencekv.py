@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention import AttentionCall, rope_product, rotate
 from ..cache import Forward, KVLayer, SparseCache, StoreLayer
-from ..layers import flat_index
+from ..layers import flat_index, gather_rows
 from ..press import check_number
 from ..segment import closes_sentence, sentence_ids
 from ..state import RowState
@@ -219,8 +219,9 @@ class SentencePress(SnapKVPress):
                                            self.max_sentence_tokens)
         # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
         cache.state.step_ids = forward.input_ids
-        closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])
-        forward.plan = closing if bool(closing.any()) else None  # None: no layer has work to do
+        closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])  # on the host
+        # None: no layer has work to do. Else sent to the device now, while it has little queued to wait for.
+        forward.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
         if self.plan == "step":
             self._plan_step(cache)
 
@@ -450,8 +451,8 @@ class SentencePress(SnapKVPress):
             total = state.query_sum if state.before_reset is None else state.before_reset
             state.query_sum = total - queries[..., q - removed:, :].sum(dim=-2, keepdim=True)
             if removed < q:  # the forward's last kept token may end a sentence
-                ends = closes_sentence(self.tokenizer, ids[:, q - removed - 1]).to(state.query_sum.device)
-                state.query_sum[ends] = 0.0
+                ends = closes_sentence(self.tokenizer, ids[:, q - removed - 1])
+                state.query_sum.masked_fill_(as_rows(ends, state.query_sum), 0.0)
             state.before_reset = None
             state.step_queries = None if stack is None else [None] * len(stack.ranks)
 
@@ -536,24 +537,33 @@ class SentencePress(SnapKVPress):
     @staticmethod
     def _load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:
         """`_load` for every layer at once: the slots entering and leaving each layer's selection found by one
-        `nonzero` over the stack (layers first, so each layer's are consecutive), then each layer whose selection
-        changed loads its own. Returns the tokens copied."""
+        `nonzero` over the stack (one read on the host; layers first, so each layer's are consecutive), then each
+        layer whose selection changed loads its own. Returns the tokens copied."""
         resident, stack.resident = stack.resident, chosen
-        entering = (chosen > resident).transpose(0, 1)  # (layers, b, h, R)
-        counts = entering.sum(dim=(1, 2, 3)).tolist()  # one read on the host for every layer
-        if not any(counts):
-            return 0
-        pairs = torch.stack([entering, (resident > chosen).transpose(0, 1)]).nonzero()
+        pairs = torch.stack([chosen > resident, resident > chosen]).transpose(1, 2).nonzero()
         n = pairs.shape[0] // 2  # as many leave as enter, per layer, row and head: they pair up in order
+        if n == 0:
+            return 0
         _, lay, row, head, slot = pairs[:n].unbind(-1)
-        target = stack.device_slot[tuple(pairs[n:, [2, 1, 3, 4]].unbind(-1))]  # the slots of those that leave
+        _, *leaving = pairs[n:].unbind(-1)  # layer, row, head, slot
+        target = stack.device_slot[leaving[1], leaving[0], leaving[2], leaving[3]]  # the slots of those that leave
         stack.device_slot[row, lay, head, slot] = target
-        loading = [layer for layer, count in zip(cache.compressed_layers(), counts) if count]
+        layers = cache.compressed_layers()
+        store = layers[0].store_keys  # every layer's has the same shape (the stack's)
+        offloaded = store.device != row.device
+        # An offloaded store: the entering slots copied to its device once for every layer (on a GPU one wait, not
+        # one a layer), where each layer's are counted too.
+        entering = pairs[:n].to(store.device) if offloaded else pairs[:n]
+        counts = torch.bincount(entering[:, 1], minlength=len(layers)).tolist()
+        loading = [layer for layer, count in zip(layers, counts) if count]
         sizes = [count for count in counts if count]
-        store = loading[0].store_keys  # every layer's has the same shape (the stack's)
-        # An offloaded store: every layer's flat index copied to it at once (on a GPU, one wait, not one a layer).
-        index = flat_index(store, row, head, slot).split(sizes) if store.device != row.device else [None] * len(sizes)
-        for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), index):
+        rows = [None] * len(sizes)
+        if offloaded:  # every loading layer's rows gathered into one pinned buffer: one copy to the GPU per tensor
+            index = flat_index(store, *entering[:, 2:].unbind(-1)).split(sizes)
+            keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
+                            .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
+            rows = list(zip(keys, values))
+        for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
             layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
         return n
 
@@ -570,7 +580,13 @@ def end_sentence(state, closing: torch.Tensor | None) -> None:
     anew, and the sums before are kept for `crop`. None: no row did."""
     if closing is not None:
         state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
-        state.query_sum[closing.to(state.query_sum.device)] = 0.0  # a new sentence starts
+        state.query_sum.masked_fill_(as_rows(closing, state.query_sum), 0.0)  # a new sentence starts
+
+
+def as_rows(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row flag `(batch,)` shaped to broadcast over `like` `(batch, ...)`, on its device: a mask to fill
+    with, where indexing by it would wait for the device to count the rows."""
+    return rows.to(like.device).view(-1, *[1] * (like.dim() - 1))
 
 
 def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
