@@ -5,8 +5,8 @@
 # batch each fits in the full cache's batch-1 memory, the prefill's peak with the prompt in pieces,
 # `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
-# B1_PRESSES, B8_PRESSES, PROFILE_PRESSES and CHUNKED_PRESSES, when set, replace the press lists of decode32k_b1,
-# decode32k_b8, profile32k and chunked32k.
+# B1_PRESSES, B8_PRESSES, OPS_PRESSES, PROFILE_PRESSES and CHUNKED_PRESSES, when set, replace the press lists of
+# decode32k_b1, decode32k_b8, ops32k, profile32k and chunked32k.
 #
 #   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
@@ -15,7 +15,7 @@ set -u
 TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
-STEPS=" ${*:-tests decode32k_b1 profile32k decode32k_b8 capacity32k chunked32k bench32k decode128k_b1} "  # names only
+STEPS=" ${*:-tests decode32k_b1 ops32k profile32k decode32k_b8 capacity32k chunked32k bench32k decode128k_b1} "  # names only
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -46,6 +46,9 @@ B1_PRESSES=${B1_PRESSES:-snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,senten
 run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
   --repeats 3 --count-syncs --presses "$B1_PRESSES" \
   --json "$OUT/decode32k_b1.json"
+# Each step's ops by sparsekv source line, those on the GPU and those on host tensors apart (an offloaded store).
+run ops32k 90 python3 benchmarks/step_ops.py "${SHAPE[@]}" --length 32768 --lines 25 \
+  --presses "${OPS_PRESSES:-sentencekv,h2o,snapkv}"
 run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
   --presses "${PROFILE_PRESSES:-snapkv,streamingllm,chunkkv,h2o}"
 run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \

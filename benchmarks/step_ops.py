@@ -10,6 +10,12 @@ model's own ops). The oracle is the full cache of the prompt's last `ratio * len
 
 `--host-reads` counts only the ops that bring a tensor's value to the host (`.item()`, `bool(t)`, `torch.equal`,
 `nonzero`, boolean-mask indexing, ...): each is a host-device synchronisation on a GPU, found here on a CPU.
+
+On a GPU (any model of `random_models.py`), each line's ops are split into those on the GPU (a kernel launch
+each) and those on host tensors (an offloaded store's gathers, index arithmetic for it):
+
+    PYTHONPATH=. python benchmarks/step_ops.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \
+        --dtype bfloat16 --length 32768 --presses sentencekv,snapkv
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from collections import Counter
 
 import torch
 from decode_vs_oracle import needle_prompt
+from random_models import load_from_arguments, model_arguments, model_placement
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparsekv.evaluation.presses import make_press
-from sparsekv.models import load_model
 from sparsekv.presses.registry import split_specs
 
 
@@ -46,7 +52,7 @@ class OpsBySource(TorchDispatchMode):
 
     def __init__(self, host_reads: bool = False):
         super().__init__()
-        self.counts, self.host_reads = Counter(), host_reads
+        self.counts, self.on_host, self.host_reads = Counter(), Counter(), host_reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.host_reads and not reads_on_host(func, args):
@@ -59,12 +65,23 @@ class OpsBySource(TorchDispatchMode):
                 break
             frame = frame.f_back
         self.counts[where] += 1
+        if not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in _tensors(args, kwargs)):
+            self.on_host[where] += 1  # on a GPU model: an op on host tensors (no kernel launch)
         return func(*args, **(kwargs or {}))
 
 
+def _tensors(args, kwargs):
+    for value in [*args, *(kwargs or {}).values()]:
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
 @torch.no_grad()
-def count(model, ids: torch.Tensor, context, steps: int, host_reads: bool = False) -> Counter:
-    """Ops per step by source, over `steps` greedy steps after 3 warm-up steps, `ids` prefilled in `context`."""
+def count(model, ids: torch.Tensor, context, steps: int, host_reads: bool = False) -> tuple[Counter, Counter]:
+    """Ops per step by source, over `steps` greedy steps after 3 warm-up steps, `ids` prefilled in `context`; and
+    those of them on host tensors only."""
     with context:
         out = model(ids, use_cache=True)
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
@@ -73,33 +90,38 @@ def count(model, ids: torch.Tensor, context, steps: int, host_reads: bool = Fals
         with OpsBySource(host_reads) as ops:
             for _ in range(steps):
                 token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-    return Counter({k: v / steps for k, v in ops.counts.items()})
+    return tuple(Counter({k: v / steps for k, v in counts.items()}) for counts in (ops.counts, ops.on_host))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=4096, help="prompt tokens (default: 4096)")
-    parser.add_argument("--presses", default="snapkv,h2o,sentencekv", help="as in `sparsekv bench` (default: %(default)s)")
+    parser.add_argument("--presses", default="snapkv,h2o,sentencekv",
+                        help="as in `sparsekv bench` (default: %(default)s)")
     parser.add_argument("--ratio", type=float, default=0.1, help="fraction of the prompt's KV kept (default: 0.1)")
     parser.add_argument("--steps", type=int, default=5, help="decoding steps counted (default: 5)")
     parser.add_argument("--lines", type=int, default=12, help="busiest source lines shown per press (default: 12)")
     parser.add_argument("--host-reads", action="store_true", help="count only ops that read a value on the host "
                         "(host-device synchronisations on a GPU)")
+    model_arguments(parser)
     args = parser.parse_args(argv)
-    model, tokenizer = load_model(args.model)
-    ids = needle_prompt(tokenizer, args.length)
-    oracle = count(model, ids[:, -round(args.ratio * args.length):], contextlib.nullcontext(), args.steps,
-                   args.host_reads)
+    model, tokenizer, name = load_from_arguments(args, *model_placement(args))
+    ids = needle_prompt(tokenizer, args.length).to(model.device)
+    gpu = model.device.type != "cpu"
+    oracle, _ = count(model, ids[:, -round(args.ratio * args.length):], contextlib.nullcontext(), args.steps,
+                      args.host_reads)
     what = "host reads (GPU synchronisations)" if args.host_reads else "ops dispatched"
-    print(f"{args.model}, {args.length}-token prompt, ratio {args.ratio}: {what} per decoding step")
+    print(f"{name}, {args.length}-token prompt, ratio {args.ratio}: {what} per decoding step"
+          + (" (on host tensors: the second column)" if gpu and not args.host_reads else ""))
     print(f"oracle: {sum(oracle.values()):.0f}")
     for spec in split_specs(args.presses):
-        ops = count(model, ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer)(model), args.steps,
-                    args.host_reads)
-        print(f"\n{spec}: {sum(ops.values()):.0f} ({sum(ops.values()) - sum(oracle.values()):+.0f} against the oracle)")
+        ops, on_host = count(model, ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer)(model), args.steps,
+                             args.host_reads)
+        total = sum(ops.values())
+        host = f", {sum(on_host.values()):.0f} on host tensors" if gpu and not args.host_reads else ""
+        print(f"\n{spec}: {total:.0f} ({total - sum(oracle.values()):+.0f} against the oracle{host})")
         for where, n in ops.most_common(args.lines):
-            print(f"{n:8.1f}  {where}")
+            print(f"{n:8.1f}  " + (f"{on_host[where]:8.1f}  " if gpu and not args.host_reads else "") + where)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import chunked_prefill  # noqa: E402
 import decode_vs_oracle  # noqa: E402
 import profile_step  # noqa: E402
 import random_bench  # noqa: E402
+import step_ops  # noqa: E402
 from random_models import SHAPES, random_model  # noqa: E402
 
 
@@ -62,6 +63,18 @@ def test_profile_step_on_a_random_model(tokenizer_dir, capsys):
                        "--presses", "streamingllm"])
     table = capsys.readouterr().out.split("per step\n")[-1]
     assert "oracle" in table and "streamingllm" in table
+
+
+def test_step_ops_on_a_random_model(tokenizer_dir, capsys):
+    """Ops per step by source line: a press's own lines are charged to it (SentenceKV's plan and loads), the
+    model's ops to "model"; on a CPU model no column of ops on host tensors (every op is on the host)."""
+    step_ops.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--steps", "2", "--lines", "40",
+                   "--presses", "sentencekv", "--ratio", "0.25"])
+    out = capsys.readouterr().out
+    assert "on host tensors" not in out
+    lines = out.split("sentencekv: ")[-1].splitlines()[1:]
+    assert any(line.split()[-1] == "model" for line in lines)
+    assert any("presses/sentencekv.py" in line for line in lines)
 
 
 def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
