@@ -274,6 +274,29 @@ def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_ste
                                torch.stack([layer.state.query_sum for layer in compressed(reference)], dim=1))
 
 
+def test_a_step_plans_loaded_positions_follow_copies_and_reordered_rows():
+    """`plan="step"` writes the loaded slots' positions of every layer into its stack and a layer's only when
+    read (`OwedPositions`): a copy of the cache reads its own stack's, not the original's (changed here after
+    the copies), and reordered rows (beam search) read their own rows'."""
+    model = make_model("llama", vocab_size=420)
+    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
+    fed = prompt(8, batch=2, seed=5)
+    with press(budget=30, plan="step")(model), torch.no_grad():
+        cache = model(ids).cache
+        for t in range(fed.shape[1]):
+            cache = model(fed[:, t:t + 1], cache=cache).cache
+    assert any(layer.owed is not None for layer in compressed(cache))  # loaded, not read since
+    first, second, third = (copy.deepcopy(cache) for _ in range(3))
+    expected = [layer.positions.clone() for layer in compressed(first)]
+    assert all(layer.positions.max() < ids.shape[1] + fed.shape[1] for layer in compressed(first))
+    cache.state.stack.loaded_positions.fill_(-1)
+    assert all(torch.equal(layer.positions, e) for layer, e in zip(compressed(second), expected))
+    assert any(layer.owed is not None for layer in compressed(third))
+    third.reorder_cache(torch.tensor([1, 0]))
+    assert all(torch.equal(layer.positions, e[[1, 0]]) for layer, e in zip(compressed(third), expected))
+    assert any((layer.positions < 0).any() for layer in compressed(cache))  # the original reads its changed stack
+
+
 def test_a_step_plan_over_layers_on_several_devices_ranks_each_layer_and_says_so(caplog):
     """Layers on two devices (a `device_map` over GPUs; here one layer's state on the meta device) are not stacked:
     each ranks at its own query, and the `sparsekv` logger says why."""

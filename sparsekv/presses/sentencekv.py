@@ -55,12 +55,29 @@ class LayerStack(RowState):
     # `(batch, kv_heads, q, d)`, or all layers' `(batch, layers, kv_heads, 1, d)` when they were added at once
     projected: list = field(default_factory=list)  # per layer, a one-token step's query projection, until `last`
     rope: torch.Tensor | None = None  # the RoPE matrix of those projections (the step's, shared by its layers)
+    store_positions: torch.Tensor | None = None  # (batch, layers, R) the layers' `store_positions`
+    loaded_positions: torch.Tensor | None = None  # (batch, layers, kv_heads, loaded) the loaded slots' positions,
+    # written for every layer at once; a layer's own are written when read (`OwedPositions`)
     heads: int = 0  # query heads per layer
     before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
 
     shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
                                           "slot_room", "resident", "device_slot")
+
+
+class OwedPositions:
+    """The loaded slots' positions a stacked load left unwritten in one layer (`StoreLayer.owed`): the stack
+    keeps every layer's (`LayerStack.loaded_positions`, one write for all layers a step, where each layer had an
+    index and a write of its own), and they are written into the layer only when something reads its positions
+    (`prompt_kept`, `crop`; attention does not)."""
+
+    def __init__(self, stack: LayerStack, rank: int):
+        self.stack, self.rank = stack, rank
+
+    def pay(self, layer) -> None:
+        layer.owed = None
+        layer.__dict__["_positions"][..., : layer.state.loaded] = self.stack.loaded_positions[:, self.rank]
 
 
 @dataclass
@@ -531,6 +548,9 @@ class SentencePress(SnapKVPress):
             setattr(stack, name, torch.stack(parts, dim=1))
             for layer in layers:
                 setattr(layer.state, name, None)
+        stack.store_positions = torch.stack([layer.store_positions for layer in layers], dim=1)
+        loaded = layers[0].state.loaded  # every layer's: the budget sets it
+        stack.loaded_positions = torch.stack([layer.positions[..., :loaded] for layer in layers], dim=1)
         stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
         return stack
 
@@ -548,6 +568,7 @@ class SentencePress(SnapKVPress):
         _, *leaving = pairs[n:].unbind(-1)  # layer, row, head, slot
         target = stack.device_slot[leaving[1], leaving[0], leaving[2], leaving[3]]  # the slots of those that leave
         stack.device_slot[row, lay, head, slot] = target
+        stack.loaded_positions[row, lay, head, target] = stack.store_positions[row, lay, slot]  # every layer's
         layers = cache.compressed_layers()
         store = layers[0].store_keys  # every layer's has the same shape (the stack's)
         offloaded = store.device != row.device
@@ -555,16 +576,17 @@ class SentencePress(SnapKVPress):
         # one a layer), where each layer's are counted too.
         entering = pairs[:n].to(store.device) if offloaded else pairs[:n]
         counts = torch.bincount(entering[:, 1], minlength=len(layers)).tolist()
-        loading = [layer for layer, count in zip(layers, counts) if count]
-        sizes = [count for count in counts if count]
+        ranks = [rank for rank, count in enumerate(counts) if count]
+        loading, sizes = [layers[rank] for rank in ranks], [counts[rank] for rank in ranks]
         rows = [None] * len(sizes)
         if offloaded:  # every loading layer's rows gathered into one pinned buffer: one copy to the GPU per tensor
             index = flat_index(store, *entering[:, 2:].unbind(-1)).split(sizes)
             keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
                             .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
             rows = list(zip(keys, values))
-        for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
-            layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
+        for rank, layer, *part in zip(ranks, loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
+            # each layer's part of the indices (one `split` each, not a slice per layer); positions: the stack's
+            layer.load(*part, owed=OwedPositions(stack, rank))
         return n
 
 
