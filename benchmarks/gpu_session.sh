@@ -15,7 +15,8 @@ set -u
 TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
-STEPS=" ${*:-tests decode32k_b1 ops32k profile32k decode32k_b8 capacity32k chunked32k bench32k decode128k_b1} "  # names only
+# the steps' names only
+STEPS=" ${*:-tests decode32k_b1 ops32k profile32k decode32k_b8 capacity32k chunked32k bench32k decode128k_b1} "
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -49,7 +50,7 @@ run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --leng
 # Each step's ops by sparsekv source line, those on the GPU and those on host tensors apart (an offloaded store).
 run ops32k 90 python3 benchmarks/step_ops.py "${SHAPE[@]}" --length 32768 --lines 25 \
   --presses "${OPS_PRESSES:-sentencekv,h2o,snapkv}"
-run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 \
+run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 --python 30 \
   --presses "${PROFILE_PRESSES:-snapkv,streamingllm,chunkkv,h2o}"
 run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
   --repeats 2 --no-full --presses "${B8_PRESSES:-snapkv,streamingllm,chunkkv}" --json "$OUT/decode32k_b8.json"

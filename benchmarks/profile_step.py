@@ -6,12 +6,19 @@ ops cost their launch, not their arithmetic, and only fewer ops make it faster.
 
     PYTHONPATH=. python benchmarks/profile_step.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \\
         --length 32768 --presses snapkv,streamingllm
+
+`--python N` also profiles the same steps with cProfile and lists the N functions with the most time of their own
+(Python, and the C functions it calls): where a step's host time goes that no aten op shows (hooks, dispatch in
+sparsekv's own code, CUDA driver queries).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -30,8 +37,9 @@ def sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int) -> tuple[dict, str]:
-    """Prefill `ids` in `context`, warm up 3 steps, then time and profile `steps` greedy steps."""
+def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int, python: int = 0) -> tuple[dict, str]:
+    """Prefill `ids` in `context`, warm up 3 steps, then time and profile `steps` greedy steps (`python`: then
+    `steps` more under cProfile, its `python` functions with the most time of their own listed too)."""
     cuda = ids.is_cuda
     with context:
         out = model(ids, use_cache=True, logits_to_keep=1)
@@ -49,13 +57,25 @@ def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int) -> tu
             for _ in range(steps):
                 token = model(token, cache=cache).logits[:, -1:].argmax(-1)
             sync(ids.device)
+        python_table = ""
+        if python:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(steps):
+                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+            sync(ids.device)
+            profiler.disable()
+            stream = io.StringIO()
+            pstats.Stats(profiler, stream=stream).strip_dirs().sort_stats("tottime").print_stats(python)
+            python_table = f"\ncProfile, {steps} steps, by time of their own:\n{stream.getvalue().strip()}\n"
     events = prof.key_averages()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     row = {"wall_ms": wall, "ops": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
            "kernels": len(kernels) / steps,
            "device_ms": sum(e.device_time for e in kernels) / 1000 / steps if cuda else None}
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return row, events.table(sort_by=sort, row_limit=top) + "\n" + events.table(sort_by="cpu_time_total", row_limit=top)
+    tables = [events.table(sort_by=sort, row_limit=top), events.table(sort_by="cpu_time_total", row_limit=top)]
+    return row, "\n".join(tables) + python_table
 
 
 def main(argv=None) -> None:
@@ -68,18 +88,20 @@ def main(argv=None) -> None:
     add("--ratio", type=float, default=0.1, help="(default: %(default)s)")
     add("--steps", type=int, default=8, help="steps timed and profiled (default: %(default)s)")
     add("--top", type=int, default=12, help="ops listed per configuration (default: %(default)s)")
+    add("--python", type=int, default=0, metavar="N", help="also profile the steps with cProfile and list its N "
+        "functions with the most time of their own (default: none)")
     args = parser.parse_args(argv)
-    model, tokenizer, name = load_from_arguments(args, *model_placement(args))
+    model, tokenizer, model_name = load_from_arguments(args, *model_placement(args))
     ids = needle_prompt(tokenizer, args.length).to(model.device).expand(args.batch, -1)
     configs = {"oracle": (ids[:, -round(args.ratio * args.length):], contextlib.nullcontext())}
     for spec in split_specs(args.presses):
         configs[spec] = (ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer)(model))
     rows = []
     for name, (prompt, context) in configs.items():
-        row, tables = profile_steps(model, prompt, context, args.steps, args.top)
+        row, tables = profile_steps(model, prompt, context, args.steps, args.top, args.python)
         rows.append({"config": name, **row})
         print(f"\n== {name}\n{tables}")
-    print(f"\n{name}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}: per step")
+    print(f"\n{model_name}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}: per step")
     print(format_table(rows, [("config", "config", ""), ("wall ms", "wall_ms", ".2f"),
                               ("device busy ms", "device_ms", ".2f"), ("aten ops", "ops", ".0f"),
                               ("kernels", "kernels", ".0f")]))

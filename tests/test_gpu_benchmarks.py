@@ -60,9 +60,11 @@ def test_decode_vs_oracle_on_a_random_model(tokenizer_dir, tmp_path, capsys):
 
 def test_profile_step_on_a_random_model(tokenizer_dir, capsys):
     profile_step.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--steps", "2", "--top", "3",
-                       "--presses", "streamingllm"])
-    table = capsys.readouterr().out.split("per step\n")[-1]
+                       "--presses", "streamingllm", "--python", "5"])
+    out = capsys.readouterr().out
+    table = out.split("per step\n")[-1]
     assert "oracle" in table and "streamingllm" in table
+    assert out.count("cProfile, 2 steps") == 2 and "(forward)" in out  # the oracle's and the press's functions
 
 
 def test_step_ops_on_a_random_model(tokenizer_dir, capsys):
