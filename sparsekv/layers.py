@@ -476,7 +476,7 @@ class StoreLayer(KVLayer):
 
         The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
         tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""
-        if rows is None and self.store_keys.device == row.device:
+        if rows is None and not offloaded(self.store_keys, row.device):
             rows = self.store_keys[row, head, slot], self.store_values[row, head, slot]
         elif rows is None:  # an offloaded store: one index to its device, not three, and rows into pinned memory
             index = [flat_index(self.store_keys, row, head, slot)]
@@ -550,6 +550,13 @@ def flat_index(store: torch.Tensor, row: torch.Tensor, head: torch.Tensor, slot:
     slot)` name, on the store's device: one copy there instead of three."""
     _, h, r, _ = store.shape
     return ((row * h + head) * r + slot).to(store.device)
+
+
+def offloaded(store: torch.Tensor, device: torch.device) -> bool:
+    """Whether `store` lives on another device than the working set's `device` (a CPU store of a CUDA model):
+    then loads gather its rows there and copy them over. (One function, so that a test can take that path on a
+    CPU, where CI runs.)"""
+    return store.device != device
 
 
 def gather_rows(stores: list[torch.Tensor], indexes: list[torch.Tensor]) -> torch.Tensor:

@@ -297,6 +297,42 @@ def test_a_step_plans_loaded_positions_follow_copies_and_reordered_rows():
     assert any((layer.positions < 0).any() for layer in compressed(cache))  # the original reads its changed stack
 
 
+@pytest.mark.parametrize("plan", ["step", "layer"])
+def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(plan, monkeypatch):
+    """The path a GPU takes with its store on the host (SentencePress's default there: `offloaded`), taken on the
+    device the tests run on: the entering slots moved to the store's side once, every loading layer's rows
+    gathered into one buffer and copied over (`plan="step"`), or each layer's (`plan="layer"`), give the same
+    working sets, positions and logits as loads from a store beside the model."""
+    import sparsekv.layers
+    import sparsekv.presses.sentencekv
+
+    model = make_model("llama", vocab_size=420)
+    ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
+    fed = prompt(10, batch=2, seed=5)
+    runs = []
+    for away in (False, True):
+        calls = []
+
+        def elsewhere(store, device, away=away, calls=calls):
+            calls.append(store.shape)
+            return away or store.device != device
+
+        monkeypatch.setattr(sparsekv.layers, "offloaded", elsewhere)
+        monkeypatch.setattr(sparsekv.presses.sentencekv, "offloaded", elsewhere)
+        with press(budget=30, plan=plan)(model), torch.no_grad():
+            out = model(ids)
+            logits = []
+            for t in range(fed.shape[1]):
+                out = model(fed[:, t:t + 1], cache=out.cache)
+                logits.append(out.logits[:, -1])
+        assert calls and out.cache.stats().counts["loads"] > 0
+        runs.append((out.cache, torch.stack(logits, 1)))
+    (beside, beside_logits), (away, away_logits) = runs
+    torch.testing.assert_close(away_logits, beside_logits, rtol=0, atol=0)
+    for a, b in zip(compressed(away), compressed(beside)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.positions, b.positions)
+
+
 def test_a_step_plan_over_layers_on_several_devices_ranks_each_layer_and_says_so(caplog):
     """Layers on two devices (a `device_map` over GPUs; here one layer's state on the meta device) are not stacked:
     each ranks at its own query, and the `sparsekv` logger says why."""

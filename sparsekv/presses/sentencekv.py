@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention import AttentionCall, rope_product, rotate
 from ..cache import Forward, KVLayer, SparseCache, StoreLayer
-from ..layers import flat_index, gather_rows
+from ..layers import flat_index, gather_rows, offloaded
 from ..press import check_number
 from ..segment import closes_sentence, sentence_ids
 from ..state import RowState
@@ -571,15 +571,15 @@ class SentencePress(SnapKVPress):
         stack.loaded_positions[row, lay, head, target] = stack.store_positions[row, lay, slot]  # every layer's
         layers = cache.compressed_layers()
         store = layers[0].store_keys  # every layer's has the same shape (the stack's)
-        offloaded = store.device != row.device
+        elsewhere = offloaded(store, row.device)
         # An offloaded store: the entering slots copied to its device once for every layer (on a GPU one wait, not
         # one a layer), where each layer's are counted too.
-        entering = pairs[:n].to(store.device) if offloaded else pairs[:n]
+        entering = pairs[:n].to(store.device) if elsewhere else pairs[:n]
         counts = torch.bincount(entering[:, 1], minlength=len(layers)).tolist()
         ranks = [rank for rank, count in enumerate(counts) if count]
         loading, sizes = [layers[rank] for rank in ranks], [counts[rank] for rank in ranks]
         rows = [None] * len(sizes)
-        if offloaded:  # every loading layer's rows gathered into one pinned buffer: one copy to the GPU per tensor
+        if elsewhere:  # every loading layer's rows gathered into one pinned buffer: one copy to the GPU per tensor
             index = flat_index(store, *entering[:, 2:].unbind(-1)).split(sizes)
             keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
                             .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
