@@ -112,12 +112,15 @@ def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch
     return torch.cat([x_rot * cos + _rotate_half(x_rot) * (-sin if inverse else sin), x_pass], dim=-1)
 
 
-def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+                    mask_from: int = 0) -> torch.Tensor:
     """Softmax attention `(batch, kv_heads, group, q, k)` in float32, query heads grouped by their KV head.
 
     `queries` are already multiplied by the module's scaling (`AttentionCall.queries(scaled=True)`).
-    `mask` is boolean, broadcastable to `(batch, 1, 1, q, k)`, True where attention is allowed; None: every
-    query sees every key (a decoding step on a cache of real tokens: no mask to build, nothing to check).
+    `mask` is boolean, broadcastable to `(batch, 1, 1, q, k - mask_from)`, True where attention is allowed, over
+    the keys from `mask_from` on: every query sees the keys before (a block of prompt queries without padding
+    masks only its own keys, one pass over the block's logits fewer). None: every query sees every key (a
+    decoding step on a cache of real tokens: no mask to build, nothing to check).
     """
     b, h_q, n_q, d = queries.shape
     h_kv = keys.shape[1]
@@ -130,9 +133,10 @@ def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: tor
         logits = torch.tanh(logits / softcap) * softcap
     if mask is None:
         return logits.softmax(dim=-1)
-    logits.masked_fill_(~mask, float("-inf"))
+    (logits if mask_from == 0 else logits[..., mask_from:]).masked_fill_(~mask, float("-inf"))
     probs = logits.softmax(dim=-1)
-    if not bool(mask.any(dim=-1).all()):  # fully masked rows (padding queries) give NaN: make them zeros
+    # Fully masked rows (padding queries) give NaN: make them zeros. None when some keys are seen by every query.
+    if mask_from == 0 and not bool(mask.any(dim=-1).all()):
         probs = probs.nan_to_num_(0.0)
     return probs
 
@@ -222,6 +226,11 @@ class AttentionCall:
         Returns `(batch, kv_heads, group, end - start, end)`: causality means these queries see no key past
         `end`, so those are left out. Rows of padding queries are zero.
         """
+        if self.input_valid is None:  # no padding: each query sees every key before the block, and its own
+            block = torch.arange(start, end, device=keys.device)
+            causal = block[None, :] <= block[:, None]  # (q, q) over the block's own keys
+            queries = self.queries(start, end, scaled=True)
+            return attention_probs(self.module, queries, keys[..., :end, :], causal, mask_from=start)
         valid = self.valid()
         causal = torch.arange(end, device=keys.device)[None, :] <= torch.arange(start, end, device=keys.device)[:, None]
         return self.probs(keys[..., :end, :], causal[None] & valid[:, None, :end], start, end)
