@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's runs (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA;
 # on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens, decode steps against the oracle at
-# batch 1 with host synchronisations counted, a profile of a step per press, the steps at batch 8, the largest
+# batch 1 with host synchronisations counted, each step's ops by source line, a profile of a step per press (torch
+# and cProfile), the steps at batch 8, the largest
 # batch each fits in the full cache's batch-1 memory, the prefill's peak with the prompt in pieces,
 # `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
