@@ -472,7 +472,7 @@ class StoreLayer(KVLayer):
         """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
         from the store and one write per tensor, every head at once). `rows`: those slots' keys and values
         `(n, d)` on this layer's device, when the caller gathered them (several layers' from an offloaded store,
-        in one copy to the device). `owed`: the slots' positions are not written now but when read (`owed`).
+        in one copy to the device). `owed`: the slots' positions are left to be written when read (`owed` above).
 
         The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
         tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""

@@ -76,7 +76,7 @@ class OwedPositions:
         self.stack, self.rank = stack, rank
 
     def pay(self, layer) -> None:
-        layer.owed = None
+        layer.owed = None  # first, and the tensor itself below (not `positions`): reading that would pay again
         layer.__dict__["_positions"][..., : layer.state.loaded] = self.stack.loaded_positions[:, self.rank]
 
 
@@ -565,8 +565,8 @@ class SentencePress(SnapKVPress):
         if n == 0:
             return 0
         _, lay, row, head, slot = pairs[:n].unbind(-1)
-        _, *leaving = pairs[n:].unbind(-1)  # layer, row, head, slot
-        target = stack.device_slot[leaving[1], leaving[0], leaving[2], leaving[3]]  # the slots of those that leave
+        _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
+        target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
         stack.device_slot[row, lay, head, slot] = target
         stack.loaded_positions[row, lay, head, target] = stack.store_positions[row, lay, slot]  # every layer's
         layers = cache.compressed_layers()
