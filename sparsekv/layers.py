@@ -450,9 +450,10 @@ class StoreLayer(KVLayer):
     def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store."""
         device = self.store_device or keys.device
-        pin = device.type == "cpu" and keys.is_cuda
-        self.store_keys, self.store_values = ((t.to(device).pin_memory() if pin else t.to(device))
-                                              for t in (keys, values))
+        if device.type == "cpu" and keys.is_cuda:  # pinned, so that loads copy back asynchronously
+            # Straight into pinned memory: one copy from the GPU, where `.to("cpu").pin_memory()` makes two.
+            keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in (keys, values))
+        self.store_keys, self.store_values = keys.to(device), values.to(device)
         self.store_positions = positions
 
     def gather(self, slots: torch.Tensor, valid: torch.Tensor, all_valid: bool | None = None) -> None:
