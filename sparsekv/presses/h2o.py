@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall, attention_probs, rope_product
+from ..attention import AttentionCall, attention_probs, rotate_projections
 from ..cache import Forward, KVLayer, SparseCache, victim_indices
 from ..press import Press, check_number
 
@@ -140,12 +140,9 @@ class H2OPress(Press):
             return
         layers, calls = zip(*plan.deferred)
         module = calls[0].module
-        d = module.head_dim
-        heads = module.config.num_attention_heads
-        projected = torch.stack([call.projected for call in calls], dim=1)[..., : heads * d]  # (b, n, 1, H d)
-        b, n = projected.shape[:2]
-        queries = rope_product(projected, calls[0].scaled_rope, b).view(b, n, heads, 1, d)
-        for layer, q in zip(layers, queries.unbind(1)):
+        channels = module.config.num_attention_heads * module.head_dim
+        queries = rotate_projections([call.projected for call in calls], calls[0].scaled_rope, channels)
+        for layer, q in zip(layers, queries.unbind(1)):  # each (b, heads, 1, d)
             layer.extra["received"] += attention_probs(module, q, layer.keys, None).sum(dim=(2, 3))
         plan.deferred = []
 

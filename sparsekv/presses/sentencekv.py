@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..attention import AttentionCall, rope_product, rotate
+from ..attention import AttentionCall, rotate, rotate_projections
 from ..cache import Forward, KVLayer, SparseCache, StoreLayer
 from ..layers import flat_index, gather_rows, offloaded
 from ..press import check_number
@@ -506,11 +506,9 @@ class SentencePress(SnapKVPress):
             return
         start = time.perf_counter()
         kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
-        projected = torch.stack([stack.projected[i] for i in kept], dim=1)[..., : heads * d]  # (b, n, 1, H d)
-        b, n = projected.shape[:2]
         matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
-        queries = rope_product(projected, matrix, b).float().view(b, n, kv, 1, d)
-        if n == len(stack.projected):  # every layer's (the common case)
+        queries = rotate_projections([stack.projected[i] for i in kept], matrix, heads * d).float()
+        if len(kept) == len(stack.projected):  # every layer's (the common case)
             stack.query_sum += queries
             stack.step_queries = queries  # for `crop`, stacked
         else:
