@@ -44,27 +44,24 @@ def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int, pytho
     with context:
         out = model(ids, use_cache=True, logits_to_keep=1)
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-        sync(ids.device)
+
+        def decode(n: int) -> None:  # `n` greedy steps from the cache, waited for
+            nonlocal token
+            for _ in range(n):
+                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+            sync(ids.device)
+
+        decode(3)
         start = time.perf_counter()
-        for _ in range(steps):
-            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-        sync(ids.device)
+        decode(steps)
         wall = (time.perf_counter() - start) * 1000 / steps
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            for _ in range(steps):
-                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-            sync(ids.device)
+            decode(steps)
         python_table = ""
         if python:
             profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(steps):
-                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-            sync(ids.device)
-            profiler.disable()
+            profiler.runcall(decode, steps)
             stream = io.StringIO()
             pstats.Stats(profiler, stream=stream).strip_dirs().sort_stats("tottime").print_stats(python)
             python_table = f"\ncProfile, {steps} steps, by time of their own:\n{stream.getvalue().strip()}\n"

@@ -29,6 +29,7 @@ import torch
 from decode_vs_oracle import needle_prompt
 from random_models import load_from_arguments, model_arguments, model_placement
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from sparsekv.evaluation.presses import make_press
 from sparsekv.presses.registry import split_specs
@@ -65,17 +66,15 @@ class OpsBySource(TorchDispatchMode):
                 break
             frame = frame.f_back
         self.counts[where] += 1
-        if not any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in _tensors(args, kwargs)):
+        if not any(on_gpu(leaf) for leaf in tree_leaves((args, kwargs))):
             self.on_host[where] += 1  # on a GPU model: an op on host tensors (no kernel launch)
         return func(*args, **(kwargs or {}))
 
 
-def _tensors(args, kwargs):
-    for value in [*args, *(kwargs or {}).values()]:
-        if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
+def on_gpu(value) -> bool:
+    """Whether an op's argument puts it on a GPU: a tensor there, or a factory's `device=`."""
+    device = value.device if isinstance(value, torch.Tensor) else value if isinstance(value, torch.device) else None
+    return device is not None and device.type != "cpu"
 
 
 @torch.no_grad()
