@@ -15,8 +15,12 @@ what those queries look for; beyond the paper, traced here only).
 `--per-layer` keeps eq. 1's page vectors and eq. 3's anchor and changes how eq. 4 sums them: each compressed
 layer's share of the product (or each layer and KV head's, the second rule) standardised over the row's candidate
 pages, then summed, so that every layer (head) votes alike instead of the layers whose keys are largest.
+`--tokens` scores a page by its best token: the largest product of one of its tokens' centred keys before RoPE with
+the anchor (eq. 4 is their mean, the bound their upper bound), with max pooling; and that score plus eq. 4's, each
+standardised over the row's candidate pages.
 `--answers` generates instead, greedily as `sparsekv eval` does on the same prompts, with the default CHESS and
-with CHESS selecting by the means + bounds rule at every selection (`MeansAndBounds`), and scores the answers.
+with CHESS selecting by the means + bounds rule (or, with `--tokens`, the best token) at every selection
+(`TracedRule`), and scores the answers.
 
     PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 20
     PYTHONPATH=. python benchmarks/chess_rules.py --model smollm2-135m --task prose_code --page-size 16 --bounds
@@ -55,10 +59,10 @@ def rules(ratio: float, page_size: int) -> dict[str, CHESSPress]:
     }
 
 
-def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each page's bound `(1, pages)` against the anchor, `sum_i max(a_i max_i, a_i min_i)` over the channels of
-    its tokens' keys before RoPE, centred as `page_vectors` centres page vectors, and the candidate pages
-    `(1, pages)` (one row, `n` prompt tokens)."""
+def centred_pages(model, cache, press: CHESSPress, n: int):
+    """The prompt's keys before RoPE, centred as `page_vectors` centres page vectors, cut into pages
+    `(pages, page_size, D)` (NaN past the prompt's last token), with the anchor `(D,)` and the candidate pages
+    `(1, pages)` (one row, `n` prompt tokens; its keys come from the cache's store)."""
     device = cache.layers[cache.state.columns[0]].store_keys.device
     cos, sin = model.model.rotary_emb(torch.zeros(1, n, 1, device=device), torch.arange(n, device=device)[None])
     keys = torch.cat([rotate(cache.layers[i].store_keys[:, :, :n].float(), (cos, sin), inverse=True)
@@ -70,38 +74,63 @@ def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor,
     n_pages = plain.shape[1]
     pad = n_pages * press.page_size - n
     pages = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("nan")).view(n_pages, press.page_size, -1)
+    return pages, anchor[0], candidate
+
+
+def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each page's bound `(1, pages)` against the anchor, `sum_i max(a_i max_i, a_i min_i)` over the channels of
+    its tokens' centred keys before RoPE (`centred_pages`), and the candidate pages `(1, pages)`."""
+    pages, anchor, candidate = centred_pages(model, cache, press, n)
     high = pages.nan_to_num(float("-inf")).amax(1)
     low = pages.nan_to_num(float("inf")).amin(1)
-    return (high @ anchor[0].clamp(min=0) + low @ anchor[0].clamp(max=0))[None], candidate
+    return (high @ anchor.clamp(min=0) + low @ anchor.clamp(max=0))[None], candidate
+
+
+def token_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each page's best token `(1, pages)`: the largest product of one of its tokens' centred keys before RoPE
+    (`centred_pages`) with the anchor (the bound is this score's upper bound, eq. 4 its mean), and the candidate
+    pages `(1, pages)`."""
+    pages, anchor, candidate = centred_pages(model, cache, press, n)
+    return (pages @ anchor).nan_to_num(float("-inf")).amax(1)[None], candidate
 
 
 @dataclasses.dataclass(kw_only=True)
-class MeansAndBounds(CHESSPress):
-    """CHESS selecting by eq. 4's score plus the page bound, each standardised over the row's candidate pages (the
-    `--bounds` rule), at every selection, to measure its answers. A trace, not a press: one row, one generation at
-    a time, the bounds recomputed from the store at each selection (`bound_scores`), the model held here."""
+class TracedRule(CHESSPress):
+    """CHESS selecting by a traced rule at every selection, to measure its answers: `"bounds"`, eq. 4's score plus
+    the page bound, each standardised over the row's candidate pages (the `--bounds` rule), or `"tokens"`, each
+    page's best token (the `--tokens` rule). A trace, not a press: one row, one generation at a time, the keys
+    read from the store at each selection (`centred_pages`), the model held here."""
 
     model: Any = dataclasses.field(default=None, repr=False)
+    rule: str = "bounds"
 
     def end_forward(self, cache, logits):
         self._cache = cache  # (the trace's one generation: `select` reads its store)
         super().end_forward(cache, logits)
 
     def select(self, page_sums, lengths):
+        n = int(lengths[0])
+        if self.rule == "tokens":
+            return self.select_by(*token_scores(self.model, self._cache, self, n))
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
-        bound, _ = bound_scores(self.model, self._cache, self, int(lengths[0]))
+        bound, _ = bound_scores(self.model, self._cache, self, n)
         mean = (vectors @ anchor[:, :, None])[..., 0]
         return self.select_by(standardised(mean, candidate) + standardised(bound, candidate), candidate)
 
 
 def answers(model, tokenizer, args) -> None:
-    """Greedy answers of the default CHESS and of `MeansAndBounds` on the swept prompts, scored as `sparsekv
-    eval` scores them."""
+    """Greedy answers of the default CHESS and of the traced rules (`TracedRule`: `--bounds`, `--tokens`; the
+    bounds rule when neither is given) on the swept prompts, scored as `sparsekv eval` scores them."""
     task = TASKS[args.task]
-    presses = {"page means (the default)": CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max"),
-               "page means + page bounds, standardised": MeansAndBounds(ratio=args.ratio, page_size=args.page_size,
-                                                                        pooling="max", model=model)}
+    presses = {"page means (the default)": CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")}
+    if args.bounds or not args.tokens:
+        presses["page means + page bounds, standardised"] = TracedRule(
+            ratio=args.ratio, page_size=args.page_size, pooling="max", model=model, rule="bounds")
+    if args.tokens:
+        presses["page's best token"] = TracedRule(ratio=args.ratio, page_size=args.page_size, pooling="max",
+                                                  model=model, rule="tokens")
     scores = {name: [] for name in presses}
+    replies = {name: [] for name in presses}
     for _, sample, ids, _ in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
                                   total=args.samples, desc="samples"):
         for name, press in presses.items():
@@ -109,9 +138,14 @@ def answers(model, tokenizer, args) -> None:
                 out = model.generate(ids, max_new_tokens=task.max_new_tokens, do_sample=False)
             reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             scores[name].append(score(reply, sample.answers, sample.metric))
+            replies[name].append(f"{sample.answers[0]} -> {reply.strip()[:30]!r}")
     print(f"{args.model}, {args.task}, {args.length} tokens, ratio {args.ratio}, {args.samples} samples: answers")
     rows = [{"rule": name, "score": 100 * sum(v) / len(v)} for name, v in scores.items()]
     print(format_table(rows, [("rule", "rule", ""), ("score %", "score", ".1f")]))
+    if args.verbose:
+        for name in presses:
+            print(f"\n{name}:", *(f"  {'ok  ' if s else 'miss'} {r}" for s, r in zip(scores[name], replies[name])),
+                  sep="\n")
 
 
 QUERY_WINDOW = 32  # prompt queries averaged into the query anchor (SnapKV's observation window)
@@ -174,10 +208,12 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=32, help="tokens per page (default: 32, the paper's)")
     parser.add_argument("--bounds", action="store_true", help="add the page-bound rule (see above)")
     parser.add_argument("--queries", action="store_true", help="add the query-anchor rule (see above)")
+    parser.add_argument("--tokens", action="store_true", help="add the best-token rules (see above)")
     parser.add_argument("--per-layer", action="store_true", help="add the per-layer and per-head standardised "
                         "rules (see above)")
     parser.add_argument("--answers", action="store_true", help="instead: the answers of CHESS (the default) and "
-                        "of CHESS selecting by means + bounds (see above), generated greedily")
+                        "of CHESS selecting by the --bounds or --tokens rule (see above), generated greedily")
+    parser.add_argument("--verbose", action="store_true", help="with --answers: every reply, against its value")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model)
     if args.answers:
@@ -193,6 +229,11 @@ def main(argv=None):
     if args.per_layer:
         for name in layer_rules:
             presses[name] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
+    token_rule = "page's best token, max pooling"
+    mixed_rule = "page means + page's best token, standardised, max pooling"
+    if args.tokens:
+        presses[token_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
+        presses[mixed_rule] = presses[token_rule]
     if args.bounds:
         presses[bound_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
         presses[both_rule] = presses[bound_rule]
@@ -216,6 +257,14 @@ def main(argv=None):
                 _, _, selected = press.select_by(shares_standardised(vectors, anchor, candidate, blocks), candidate)
             elif name == bound_rule:
                 _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1]))
+            elif name == token_rule:
+                _, _, selected = press.select_by(*token_scores(model, out.cache, press, ids.shape[1]))
+            elif name == mixed_rule:
+                best, candidate = token_scores(model, out.cache, press, ids.shape[1])
+                vectors, anchor, _ = press.page_vectors(out.cache.state.page_sums, lengths)
+                mean = (vectors @ anchor[:, :, None])[..., 0]
+                _, _, selected = press.select_by(standardised(mean, candidate) + standardised(best, candidate),
+                                                 candidate)
             elif name == both_rule:
                 bound, candidate = bound_scores(model, out.cache, press, ids.shape[1])
                 vectors, anchor, _ = press.page_vectors(out.cache.state.page_sums, lengths)
