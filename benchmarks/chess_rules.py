@@ -17,7 +17,7 @@ layer's share of the product (or each layer and KV head's, the second rule) stan
 pages, then summed, so that every layer (head) votes alike instead of the layers whose keys are largest.
 `--tokens` scores a page by its best token: the largest product of one of its tokens' centred keys before RoPE with
 the anchor (eq. 4 is their mean, the bound their upper bound), with max pooling; and that score plus eq. 4's, each
-standardised over the row's candidate pages.
+standardised over the row's candidate pages, or each page's ranks by the two summed.
 `--answers` generates instead, greedily as `sparsekv eval` does on the same prompts, with the default CHESS and
 with CHESS selecting by the means + bounds rule (or, with `--tokens`, the best token) at every selection
 (`TracedRule`), and scores the answers.
@@ -191,6 +191,13 @@ def standardised(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
     return ((scores - mean) / spread.clamp(min=1e-6)).masked_fill(~candidate, 0.0)
 
 
+def ranks(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """Each candidate page's rank among the row's candidate pages by `scores` `(batch, pages)`, 0 for the worst
+    (higher is better, as a score; 0 for the other pages, which `select_by` never takes)."""
+    scores = scores.masked_fill(~candidate, float("-inf"))
+    return scores.argsort(dim=-1).argsort(dim=-1).float().masked_fill(~candidate, 0.0)
+
+
 def shares_standardised(vectors: torch.Tensor, anchor: torch.Tensor, candidate: torch.Tensor,
                         blocks: int) -> torch.Tensor:
     """Eq. 4 `(batch, pages)` as a sum over `blocks` equal column blocks of the page vectors `(batch, pages, D)`
@@ -231,9 +238,10 @@ def main(argv=None):
             presses[name] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
     token_rule = "page's best token, max pooling"
     mixed_rule = "page means + page's best token, standardised, max pooling"
+    ranked_rule = "page means + page's best token, ranks summed, max pooling"
     if args.tokens:
         presses[token_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
-        presses[mixed_rule] = presses[token_rule]
+        presses[mixed_rule] = presses[ranked_rule] = presses[token_rule]
     if args.bounds:
         presses[bound_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
         presses[both_rule] = presses[bound_rule]
@@ -259,12 +267,12 @@ def main(argv=None):
                 _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1]))
             elif name == token_rule:
                 _, _, selected = press.select_by(*token_scores(model, out.cache, press, ids.shape[1]))
-            elif name == mixed_rule:
+            elif name in (mixed_rule, ranked_rule):
                 best, candidate = token_scores(model, out.cache, press, ids.shape[1])
                 vectors, anchor, _ = press.page_vectors(out.cache.state.page_sums, lengths)
                 mean = (vectors @ anchor[:, :, None])[..., 0]
-                _, _, selected = press.select_by(standardised(mean, candidate) + standardised(best, candidate),
-                                                 candidate)
+                combine = standardised if name == mixed_rule else ranks
+                _, _, selected = press.select_by(combine(mean, candidate) + combine(best, candidate), candidate)
             elif name == both_rule:
                 bound, candidate = bound_scores(model, out.cache, press, ids.shape[1])
                 vectors, anchor, _ = press.page_vectors(out.cache.state.page_sums, lengths)

@@ -7,6 +7,7 @@ ops cost their launch, not their arithmetic, and only fewer ops make it faster.
     PYTHONPATH=. python benchmarks/profile_step.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \\
         --length 32768 --presses snapkv,streamingllm
 
+`--diff` lists, per press, the ops whose host time of their own a step exceeds the oracle's the most.
 `--python N` also profiles the same steps with cProfile and lists the N functions with the most time of their own
 (Python, and the C functions it calls): where a step's host time goes that no aten op shows (hooks, dispatch in
 sparsekv's own code, CUDA driver queries).
@@ -72,7 +73,18 @@ def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int, pytho
            "device_ms": sum(e.device_time for e in kernels) / 1000 / steps if cuda else None}
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     tables = [events.table(sort_by=sort, row_limit=top), events.table(sort_by="cpu_time_total", row_limit=top)]
+    row["per_op"] = {e.key: (e.count / steps, e.self_cpu_time_total / 1000 / steps) for e in events}
     return row, "\n".join(tables) + python_table
+
+
+def op_differences(press: dict, oracle: dict, top: int) -> list[dict]:
+    """The `top` ops whose host time of their own per step (ms) exceeds the oracle's the most: calls and ms a
+    step against the oracle's (ops the model runs either way cancel out, what is left is the press's)."""
+    rows = []
+    for key in press.keys() | oracle.keys():
+        (calls, ms), (oracle_calls, oracle_ms) = press.get(key, (0, 0.0)), oracle.get(key, (0, 0.0))
+        rows.append({"op": key, "calls": calls - oracle_calls, "ms": ms - oracle_ms})
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def main(argv=None) -> None:
@@ -85,6 +97,8 @@ def main(argv=None) -> None:
     add("--ratio", type=float, default=0.1, help="(default: %(default)s)")
     add("--steps", type=int, default=8, help="steps timed and profiled (default: %(default)s)")
     add("--top", type=int, default=12, help="ops listed per configuration (default: %(default)s)")
+    add("--diff", action="store_true", help="also list, per press, the ops whose host time of their own a step "
+        "exceeds the oracle's the most (--top of them)")
     add("--python", type=int, default=0, metavar="N", help="also profile the steps with cProfile and list its N "
         "functions with the most time of their own (default: none)")
     args = parser.parse_args(argv)
@@ -98,6 +112,12 @@ def main(argv=None) -> None:
         row, tables = profile_steps(model, prompt, context, args.steps, args.top, args.python)
         rows.append({"config": name, **row})
         print(f"\n== {name}\n{tables}")
+    per_op = {row["config"]: row.pop("per_op") for row in rows}
+    if args.diff:
+        for name in list(configs)[1:]:
+            print(f"\n{name} against the oracle, per step: ops with the most extra host time of their own")
+            print(format_table(op_differences(per_op[name], per_op["oracle"], args.top),
+                               [("op", "op", ""), ("extra calls", "calls", "+.1f"), ("extra ms", "ms", "+.3f")]))
     print(f"\n{model_name}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}: per step")
     print(format_table(rows, [("config", "config", ""), ("wall ms", "wall_ms", ".2f"),
                               ("device busy ms", "device_ms", ".2f"), ("aten ops", "ops", ".0f"),
