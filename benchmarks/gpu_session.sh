@@ -51,7 +51,7 @@ run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --leng
 # Each step's ops by sparsekv source line, those on the GPU and those on host tensors apart (an offloaded store).
 run ops32k 90 python3 benchmarks/step_ops.py "${SHAPE[@]}" --length 32768 --lines 25 \
   --presses "${OPS_PRESSES:-sentencekv,h2o,snapkv}"
-run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 --python 30 \
+run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 --python 30 --diff \
   --presses "${PROFILE_PRESSES:-snapkv,streamingllm,chunkkv,h2o}"
 run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
   --repeats 2 --no-full --presses "${B8_PRESSES:-snapkv,streamingllm,chunkkv}" --json "$OUT/decode32k_b8.json"

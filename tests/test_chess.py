@@ -373,21 +373,51 @@ def test_chess_rules_query_anchor_is_in_the_page_vectors_layout():
             torch.testing.assert_close(block[head], sum(q[0, :, j].mean(0) for j in group))
 
 
-def test_chess_rules_means_and_bounds_selects_as_many_pages():
-    """`benchmarks/chess_rules.py --answers`' traced rule: it changes which pages CHESS selects, not how many
-    (the same Algorithm 1 at the same budget), and generates."""
+def test_chess_rules_traced_rules_select_as_many_pages():
+    """`benchmarks/chess_rules.py --answers`' traced rules (means + bounds, best token): each changes which pages
+    CHESS selects, not how many (the same Algorithm 1 at the same budget), and generates."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from chess_rules import MeansAndBounds
+    from chess_rules import TracedRule
 
     model = make_model("llama")
     ids = prompt(200)
     selected = {}
     for name, press in {"means": CHESSPress(ratio=0.3, page_size=16, pooling="max"),
-                        "means + bounds": MeansAndBounds(ratio=0.3, page_size=16, pooling="max", model=model)}.items():
+                        "bounds": TracedRule(ratio=0.3, page_size=16, pooling="max", model=model, rule="bounds"),
+                        "tokens": TracedRule(ratio=0.3, page_size=16, pooling="max", model=model, rule="tokens")
+                        }.items():
         with press(model):
             out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
         assert out.sequences.shape[1] == ids.shape[1] + 3
         selected[name] = out.cache.state.selected
-    assert selected["means"].sum() == selected["means + bounds"].sum() > 0
+    assert selected["means"].sum() == selected["bounds"].sum() == selected["tokens"].sum() > 0
+
+
+def test_chess_rules_best_token_is_a_pages_largest_product():
+    """`--tokens`: a page's score is its largest token product with the anchor, which lies between eq. 4's page
+    score (their mean, up to the centre's constant) and Quest's bound (their upper bound)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from chess_rules import bound_scores, centred_pages, token_scores
+
+    model = make_model("llama")
+    ids = prompt(100)
+    press = CHESSPress(ratio=0.3, page_size=16, pooling="max")
+    with press(model):
+        out = model(ids, use_cache=True)
+    n = ids.shape[1]
+    pages, anchor, candidate = centred_pages(model, out.cache, press, n)
+    best, _ = token_scores(model, out.cache, press, n)
+    bound, _ = bound_scores(model, out.cache, press, n)
+    products = pages @ anchor  # (pages, page_size), NaN past the prompt
+    for page in range(pages.shape[0]):
+        real = products[page][~products[page].isnan()]
+        assert best[0, page] == real.max()
+        assert real.mean() <= best[0, page] <= bound[0, page] + 1e-4
+    vectors, anchor_again, _ = press.page_vectors(out.cache.state.page_sums, torch.tensor([n]))
+    torch.testing.assert_close(anchor_again[0], anchor)
+    complete = n // press.page_size  # the page means agree with the keys read back from the store
+    torch.testing.assert_close((vectors[0, :complete] @ anchor), products[:complete].mean(-1), atol=1e-3, rtol=1e-3)

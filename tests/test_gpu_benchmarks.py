@@ -60,11 +60,23 @@ def test_decode_vs_oracle_on_a_random_model(tokenizer_dir, tmp_path, capsys):
 
 def test_profile_step_on_a_random_model(tokenizer_dir, capsys):
     profile_step.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--steps", "2", "--top", "3",
-                       "--presses", "streamingllm", "--python", "5"])
+                       "--presses", "streamingllm", "--python", "5", "--diff"])
     out = capsys.readouterr().out
     table = out.split("per step\n")[-1]
     assert "oracle" in table and "streamingllm" in table
     assert out.count("cProfile, 2 steps") == 2 and "(forward)" in out  # the oracle's and the press's functions
+    assert "streamingllm against the oracle" in out and "oracle against" not in out
+
+
+def test_profile_step_op_differences():
+    """`--diff`: a press's calls and host ms a step less the oracle's, ops missing on either side counted as 0,
+    the largest extra time first."""
+    press = {"aten::mm": (10, 5.0), "aten::scatter_": (4, 0.8), "aten::bmm": (3, 1.0)}
+    oracle = {"aten::mm": (10, 4.9), "aten::cat": (2, 0.3)}
+    rows = profile_step.op_differences(press, oracle, top=3)
+    assert [row["op"] for row in rows] == ["aten::bmm", "aten::scatter_", "aten::mm"]
+    assert rows[1]["calls"] == 4 and rows[0]["ms"] == 1.0 and abs(rows[2]["ms"] - 0.1) < 1e-9
+    assert profile_step.op_differences(press, oracle, top=10)[-1] == {"op": "aten::cat", "calls": -2, "ms": -0.3}
 
 
 def test_step_ops_on_a_random_model(tokenizer_dir, capsys):
