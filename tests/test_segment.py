@@ -71,3 +71,13 @@ def test_closing_tokens():
     closing = closes_sentence(tok, torch.tensor(list(ids.values()))).tolist()
     assert dict(zip(ids, closing)) == {".": True, ".Ċ": True, '?"': True, '."Ċ': True, "Ċ": True, "Ġend": False,
                                        "3": False, "(x": False}
+
+
+def test_token_texts_decodes_each_token_alone_in_order():
+    """Each distinct id is decoded once, and every token gets its own id's text, in the prompt's order: the same
+    list as decoding every token alone (repeated ids, a special token, a character split over byte tokens)."""
+    tok = make_tokenizer()
+    ids = tok("é. Ünïcode — ab ab ab. 東京 ab")["input_ids"] + [tok.eos_token_id, 5, 5]
+    expected = [tok.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False) for i in ids]
+    assert len(set(ids)) < len(ids)
+    assert token_texts(tok, ids) == expected
