@@ -245,6 +245,50 @@ class SparseCache(RowState, Cache):
             setattr(clone, name, copy.deepcopy(value, memo))
         return clone
 
+    @classmethod
+    def join(cls, caches: list[SparseCache]) -> SparseCache:
+        """One cache holding the rows of `caches`, in order, laid out as if their prompts had been prefilled
+        together: a batch whose prefill's peak memory was one cache's, not the batch's.
+
+        Each cache holds a prompt (left-padded to one length across the caches, with its attention mask, as a
+        batch would be), built under the same press, with no forward under way. Its press must declare
+        `joins_rows`. The result is a copy (for a moment the rows' KV is held twice: drop the caches joined);
+        they are left as they were.
+        """
+        caches = list(caches)
+        if not caches or not all(isinstance(c, SparseCache) for c in caches):
+            raise ValueError("caches: give one or more sparsekv caches (a press's `make_cache`, or the cache of a "
+                             "prompt prefilled under a press).")
+        first = caches[0]
+        press = first.press
+        if any(c.press != press for c in caches):
+            raise ValueError("caches: they were built under different presses "
+                             f"({sorted({repr(c.press) for c in caches})}); join caches of one press.")
+        if not press.joins_rows:
+            raise ValueError(f"{type(press).__name__}: cannot join caches prefilled apart (its state is not laid out "
+                             "per row alike: joins_rows is False); prefill the rows together.")
+        if any(c.prompt_lengths is None or c.forward is not None or c.pieces is not None for c in caches):
+            raise ValueError("caches: each must hold a whole prompt, with no forward under way (a cache before its "
+                             "prompt, or a prompt read in pieces before its last, cannot be joined).")
+        lengths = {c.get_seq_length() for c in caches}
+        if len(lengths) > 1:
+            raise ValueError(f"caches: they hold prompts of different lengths ({sorted(lengths)}); left-pad the prompts "
+                             "to one length (with their attention mask) before prefilling them apart.")
+        if len({c.budgets is None for c in caches}) > 1:
+            raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
+        out = cls(press, first.config)
+        out.layers = [_joined_layer([c.layers[i] for c in caches]) for i in range(len(first.layers))]
+        for name in ("prompt_lengths", "prompt_start", "budgets"):
+            values = [getattr(c, name) for c in caches]
+            setattr(out, name, None if values[0] is None else torch.cat(values))
+        out.state = None if first.state is None else type(first.state).joined([c.state for c in caches])
+        for c in caches:
+            for key, value in c.seconds.items():
+                out.seconds[key] += value
+            for key, value in c.counts.items():
+                out.counts[key] += value
+        return out
+
     def compressed_layers(self) -> list[KVLayer]:
         return [layer for layer in self.layers if isinstance(layer, KVLayer)]
 
@@ -260,6 +304,11 @@ class SparseCache(RowState, Cache):
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
         first, piece = self.prompt_lengths is None, self.pieces is not None
+        if not first and batch != self.prompt_lengths.shape[0]:
+            raise ValueError(
+                f"cache: it holds {self.prompt_lengths.shape[0]} rows and this forward has {batch}. generate expands "
+                "its inputs for num_beams or num_return_sequences, not a cache given to it: expand that cache the "
+                "same way first (`cache.batch_repeat_interleave(n)`).")
         self.forward = Forward(input_ids, valid, q_len, pieces_left=pieces_left,
                                continues_prompt=not first and not piece and q_len > 1 and not draft)
         if first and pieces_left:
@@ -480,6 +529,20 @@ class SparseCache(RowState, Cache):
             union = (a | b).sum(-1).clamp(min=1)
             pairs.append(float(((a & b).sum(-1) / union).mean()))
         return pairs
+
+
+def _joined_layer(layers: list):
+    """The rows of one layer of several caches: a sparsekv layer joins itself (`KVLayer.joined`); transformers'
+    own layers (sliding windows) hold one tensor of keys and one of values, batch first."""
+    if isinstance(layers[0], KVLayer):
+        return type(layers[0]).joined(layers)
+    if any(layer.keys.shape[2:] != layers[0].keys.shape[2:] for layer in layers):
+        raise ValueError("sparsekv: these layers cannot be joined: they hold different numbers of tokens; join "
+                         "caches of prompts padded to one length.")
+    out = copy.copy(layers[0])
+    out.keys = torch.cat([layer.keys for layer in layers])
+    out.values = torch.cat([layer.values for layer in layers])
+    return out
 
 
 def cache_footprint(cache) -> tuple[float, float, int]:

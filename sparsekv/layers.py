@@ -13,6 +13,7 @@ generic (`sparsekv.state`).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -287,6 +288,40 @@ class KVLayer(RowState, CacheLayerMixin):
         self._extra = {n: t.scatter_(-1, v, t[..., last:])[..., :last] for n, t in self._extra.items()}
         self._valid = self._valid[:, :last]
 
+    @classmethod
+    def joined(cls, layers: list[KVLayer]) -> KVLayer:
+        """One layer holding the rows of `layers` (one type, as many tokens seen), in order, as a batch prefilled
+        together holds them: a row holding fewer slots than the most gets invalid filler slots first, as rows with
+        smaller budgets get them (`keep`), so that validity stays shared by the heads of a row. Pending evictions
+        and unwritten positions are carried out first."""
+        first = layers[0]
+        if any(type(layer) is not type(first) or layer.logical_len != first.logical_len or not layer.is_initialized
+               for layer in layers):
+            raise ValueError("sparsekv: these layers cannot be joined: each must have seen the same number of "
+                             f"tokens ({sorted({layer.logical_len for layer in layers})}); join caches of prompts "
+                             "padded to one length.")
+        slots = max(layer.slots for layer in layers)
+
+        def padded(t: torch.Tensor, fill) -> torch.Tensor:
+            dim = slot_dim(t)
+            if t.shape[dim] == slots:
+                return t
+            shape = list(t.shape)
+            shape[dim] = slots - t.shape[dim]
+            return torch.cat([t.new_full(shape, fill), t], dim=dim)
+
+        copies = []
+        for layer in layers:
+            twin = copy.copy(layer)
+            vars(twin).update(
+                _keys=padded(layer.keys, 0), _values=padded(layer.values, 0), _positions=padded(layer.positions, 0),
+                _valid=padded(layer.valid, False), _extra={n: padded(t, 0) for n, t in layer.extra.items()},
+                pending=None, pending_indices=None, unwritten=0, layouts=0,
+                compressed=any(other.compressed for other in layers),
+                all_valid=all(other.all_valid and other.slots == slots for other in layers))
+            copies.append(twin)
+        return super().joined(copies)
+
     # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
     def get_seq_length(self) -> int:
         """Tokens seen (not held): new tokens get their absolute positions from it."""
@@ -394,6 +429,11 @@ class StoreLayer(KVLayer):
     """
 
     positions = _Owed()
+
+    @classmethod
+    def joined(cls, layers: list[KVLayer]) -> KVLayer:
+        raise ValueError("sparsekv: layers with a store (CHESS, SentenceKV) cannot be joined: their stores and "
+                         "selections are laid out per row; prefill their rows together.")
 
     def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False, state=None):
         self.owed = None

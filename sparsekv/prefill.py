@@ -140,3 +140,41 @@ def generate_from(model, press, cache, input_ids: torch.Tensor, generation_confi
     with nullcontext() if press is None or model in _active else press(model):
         return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                               cache=copy.deepcopy(cache) if copy_cache else cache, generation_config=generation_config)
+
+
+@torch.no_grad()
+def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 rows_at_once: int = 1) -> SparseCache:
+    """The compressed cache of a batch of prompts, prefilled `rows_at_once` rows at a time under the press installed
+    on `model` and joined (`SparseCache.join`), holding every prompt token but the last.
+
+    A press keeps a fraction of each prompt's KV, but a batch prefilled together first holds every row's whole
+    prompt (and its activations) at once: that peak, not the compressed KV, caps the batch that fits. Prefilled
+    apart, the peak is one group's prefill beside the compressed KV of the rows done, so the batch that fits
+    grows with the compression. Continue with the whole prompts, e.g. `model.generate(input_ids,
+    attention_mask=attention_mask, cache=cache, ...)`: generate reads the last prompt token as its first step, and
+    decodes the rows together. The rows keep the tokens a batch prefilled together on all but the last token
+    would keep (tested); any generation mode runs on the result.
+
+    Args:
+        model: a model with a press installed (`with press(model):`) whose press declares `joins_rows`.
+        input_ids: `(batch, L)` prompts, left-padded to one length, at least 2 tokens.
+        attention_mask: `(batch, L)` 1 for real tokens, 0 for padding (default: every token real).
+        rows_at_once: rows prefilled together (default 1: the lowest peak).
+    """
+    if model not in _active:
+        raise ValueError("model: install a press first: `with press(model): cache = prefill_rows(model, ids)`.")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids: a (batch, length) tensor of at least 2 tokens; got shape {tuple(input_ids.shape)}.")
+    if isinstance(rows_at_once, bool) or not isinstance(rows_at_once, int) or rows_at_once < 1:
+        raise ValueError(f"rows_at_once: an integer >= 1 (rows prefilled together); got {rows_at_once!r}.")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    caches = []
+    for start in range(0, input_ids.shape[0], rows_at_once):
+        rows = slice(start, start + rows_at_once)
+        out = model(input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1], use_cache=True, logits_to_keep=1)
+        caches.append(out.cache)
+        if not out.cache.press.joins_rows and rows.stop < input_ids.shape[0]:  # say so before the other rows
+            SparseCache.join(caches * 2)
+    return caches[0] if len(caches) == 1 else SparseCache.join(caches)

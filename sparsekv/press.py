@@ -77,6 +77,8 @@ class Press:
             as a prompt and continued prompts, with no help from the driver (CHESS, which keeps every token).
             Otherwise `prompt_tail()` says whether the driver can compress such a prompt at its last piece; when
             it cannot, the generation is refused.
+        joins_rows: caches of prompts prefilled apart can be joined into one batch (`SparseCache.join`,
+            `sparsekv.prefill_rows`): every piece of its state is per row, laid out alike in every row's cache.
     """
 
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
@@ -88,6 +90,7 @@ class Press:
     selects_before_attention: ClassVar[bool] = False
     reads_step_queries: ClassVar[bool] = False
     reads_prompt_in_pieces: ClassVar[bool] = False
+    joins_rows: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -243,6 +246,8 @@ class ScorerPress(Press):
 
     Subclasses implement `score()`; the budget, padding and the kept layout are handled here.
     """
+
+    joins_rows: ClassVar[bool] = True  # what it keeps is its layers' slots, per row
 
     def score(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
         """Importance of each prompt token, `(batch, kv_heads, prompt)`; higher is kept first, +inf always."""

@@ -3,14 +3,15 @@
 Every object holding state for one generation (a cache layer, a press's per-layer or per-generation state)
 derives from `RowState`. The contract is one rule: **every tensor it holds has the batch first** (or 1,
 broadcast over the rows), also inside dicts, lists and tuples, unless its attribute is named in `shared_state`.
-Beam search (`reorder_cache`), `batch_select_indices`, `batch_repeat_interleave` and memory accounting are then
-written once, here, and a new attribute is covered by existing: nothing to register, nothing to forget. A tensor
+Beam search (`reorder_cache`), `batch_select_indices`, `batch_repeat_interleave`, joining rows prefilled apart
+(`joined`) and memory accounting are then written once, here, and a new attribute is covered by existing: nothing to register, nothing to forget. A tensor
 that breaks the rule (its first dimension is not the batch) raises when the batch is reordered, naming the
 attribute.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, ClassVar, Iterator
 
 import torch
@@ -32,6 +33,19 @@ class RowState:
             if name not in self.shared_state:
                 # A leading underscore is storage behind a public attribute (KVLayer's `keys` is `_keys`).
                 setattr(self, name, _map(value, fn, batch, f"{type(self).__name__}.{name.lstrip('_')}"))
+
+    @classmethod
+    def joined(cls, states: list[RowState]) -> RowState:
+        """One state holding the rows of `states` (each of the same type and layout), in order: every per-row
+        tensor concatenated along the batch; shared attributes and everything else taken from the first, which
+        must equal the others'. Raises naming the attribute whose rows cannot be joined."""
+        first = states[0]
+        out = object.__new__(type(first))
+        for name, value in vars(first).items():
+            values = [vars(state)[name] for state in states]
+            where = f"{type(first).__name__}.{name.lstrip('_')}"
+            vars(out)[name] = value if name in first.shared_state else _join(values, where)
+        return out
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor held (per row or shared), recursively: what memory accounting counts."""
@@ -57,6 +71,32 @@ def _map(value, fn, batch: int, where: str):
     if isinstance(value, tuple):
         return tuple(_map(v, fn, batch, f"{where}[{i}]") for i, v in enumerate(value))
     return value
+
+
+def _join(values: list, where: str):
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0 or any(v.shape[1:] != first.shape[1:] for v in values):
+            raise ValueError(f"sparsekv: {where} cannot be joined: its shapes differ between the rows "
+                             f"({sorted({tuple(v.shape) for v in values})}); join caches of prompts of one length.")
+        return torch.cat(values)
+    if isinstance(first, RowState):
+        return type(first).joined(values)
+    if isinstance(first, dict):
+        if any(v.keys() != first.keys() for v in values):
+            raise ValueError(f"sparsekv: {where} cannot be joined: its keys differ between the rows.")
+        out = copy.copy(first)  # (keeps its type, e.g. a defaultdict)
+        for k in first:
+            out[k] = _join([v[k] for v in values], f"{where}[{k!r}]")
+        return out
+    if isinstance(first, (list, tuple)):
+        if any(len(v) != len(first) for v in values):
+            raise ValueError(f"sparsekv: {where} cannot be joined: its lengths differ between the rows.")
+        joined = [_join(list(parts), f"{where}[{i}]") for i, parts in enumerate(zip(*values))]
+        return joined if isinstance(first, list) else tuple(joined)
+    if any(v is not first and v != first for v in values):
+        raise ValueError(f"sparsekv: {where} cannot be joined: it differs between the rows ({values!r}).")
+    return first
 
 
 def _tensors(value) -> Iterator[torch.Tensor]:

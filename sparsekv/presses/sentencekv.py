@@ -182,6 +182,7 @@ class SentencePress(SnapKVPress):
     sentence_vector: str = "bounds"
     plan: str = "step"
     reads_input_ids: ClassVar[bool] = True
+    joins_rows: ClassVar[bool] = False  # its store and sentences are laid out per prompt (`StoreLayer.joined`)
     paper_name: ClassVar[str] = "SentenceKV"
     reads_step_queries: ClassVar[bool] = True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -27,6 +28,7 @@ class StreamingLLMPress(Press):
     """
 
     n_sinks: int = 4
+    joins_rows: ClassVar[bool] = True  # positions are all it reads, and they follow their slots
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,0 +1,152 @@
+"""Rows prefilled apart and joined (`prefill_rows`, `SparseCache.join`): the batch a prefill together would give."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DEVICE, make_model, make_tokenizer, prompt
+
+from sparsekv import (
+    CHESSPress, ChunkPress, H2OPress, RowState, SentencePress, SnapKVPress, SparseCache, StreamingLLMPress,
+    prefill_rows,
+)
+
+JOINING = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), StreamingLLMPress(ratio=0.3),
+           ChunkPress(ratio=0.3, window_size=8, chunk_size=5)]
+
+
+def batch(length: int = 120) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of one padded length: one whole, two left-padded by 7 and 30 tokens (smaller budgets)."""
+    ids = prompt(length, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    mask[2, :30] = 0
+    return ids, mask
+
+
+def together(model, press, ids, mask, **generate):
+    """The batch prefilled together on all but the last token, then generated from: the reference, and the
+    prompt's cache before decoding (a copy)."""
+    with press(model), torch.no_grad():
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        prefilled = copy.deepcopy(cache)
+        out = model.generate(ids, attention_mask=mask, cache=cache, **generate)
+    return out, prefilled
+
+
+@pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("gemma3", "eager"), ("qwen2", "sdpa")])
+@pytest.mark.parametrize("press", JOINING, ids=lambda p: type(p).__name__)
+def test_rows_prefilled_apart_generate_what_the_batch_does(arch, impl, press):
+    """Same kept prompt tokens per row and head, same budgets, same greedy tokens (evictions while decoding
+    included) as the batch prefilled together; Gemma3's sliding layers joined too."""
+    model = make_model(arch, impl)
+    ids, mask = batch()
+    reference, cache = together(model, press, ids, mask, max_new_tokens=8, do_sample=False)
+    with press(model):
+        joined = prefill_rows(model, ids, mask)
+        assert joined.get_seq_length() == ids.shape[1] - 1
+        torch.testing.assert_close(joined.budgets, cache.budgets)
+        kept, expected = joined.prompt_kept(), cache.prompt_kept()
+        out = model.generate(ids, attention_mask=mask, cache=joined, max_new_tokens=8, do_sample=False)
+        decoded, decoded_expected = joined.prompt_kept(), cache.prompt_kept()
+    assert kept.keys() == expected.keys()
+    for layer in kept:
+        assert torch.equal(kept[layer], expected[layer])
+    assert torch.equal(out, reference)
+    if isinstance(press, (H2OPress, StreamingLLMPress)):  # they evicted prompt tokens while decoding, alike
+        assert any(not torch.equal(decoded[i], kept[i]) for i in kept)
+
+
+def test_groups_of_rows_and_beam_search():
+    """Rows prefilled two at a time join as well, and beam search (which reorders the joined rows) gives what it
+    gives on the batch prefilled together. A cache given to generate is not expanded for its beams: say so."""
+    model = make_model("llama")
+    ids, mask = batch()
+    press = H2OPress(ratio=0.3)
+    settings = dict(max_new_tokens=6, do_sample=False, num_beams=2)
+    with press(model), torch.no_grad():
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        with pytest.raises(ValueError, match=r"holds 3 rows and this forward has 6.*batch_repeat_interleave"):
+            model.generate(ids, attention_mask=mask, cache=cache, **settings)
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        cache.batch_repeat_interleave(2)
+        reference = model.generate(ids, attention_mask=mask, cache=cache, **settings)
+        joined = prefill_rows(model, ids, mask, rows_at_once=2)
+        joined.batch_repeat_interleave(2)
+        out = model.generate(ids, attention_mask=mask, cache=joined, **settings)
+    assert torch.equal(out, reference)
+
+
+def test_join_pads_fewer_slots_with_fillers_first_and_leaves_its_caches():
+    """A row holding fewer slots gets invalid fillers first; the joined cache holds exactly the batch's KV, and
+    decoding it leaves the joined caches as they were."""
+    model = make_model("llama")
+    ids, mask = batch()
+    press = SnapKVPress(ratio=0.3, window_size=8)
+    _, cache = together(model, press, ids, mask, max_new_tokens=1)
+    with press(model), torch.no_grad():
+        parts = [model(ids[i:i + 1, :-1], attention_mask=mask[i:i + 1, :-1], use_cache=True).cache for i in range(3)]
+        before = [copy.deepcopy(part) for part in parts]
+        joined = SparseCache.join(parts)
+        layer = joined.compressed_layers()[0]
+        slots = [part.compressed_layers()[0].slots for part in parts]
+        assert layer.slots == max(slots) > min(slots)
+        for row, n in enumerate(slots):
+            assert not layer.valid[row, : layer.slots - n].any() and layer.valid[row, layer.slots - n:].all()
+        model.generate(ids, attention_mask=mask, cache=joined, max_new_tokens=4, do_sample=False)
+    for part, old in zip(parts, before):
+        for a, b in zip(part.compressed_layers(), old.compressed_layers()):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.positions, b.positions)
+            assert a.logical_len == b.logical_len
+
+
+def test_join_refusals():
+    model = make_model("llama")
+    ids, mask = batch()
+    with pytest.raises(ValueError, match="install a press first"):
+        prefill_rows(model, ids, mask)
+    for press in (CHESSPress(ratio=0.3, page_size=16), SentencePress(make_tokenizer(), ratio=0.4, n_sinks=4,
+                                                                     window_size=8)):
+        with press(model), pytest.raises(ValueError, match=f"{type(press).__name__}: cannot join caches"):
+            prefill_rows(model, ids, mask)
+    press = SnapKVPress(ratio=0.3, window_size=8)
+    with press(model), torch.no_grad():
+        with pytest.raises(ValueError, match="rows_at_once: an integer >= 1"):
+            prefill_rows(model, ids, mask, rows_at_once=0)
+        with pytest.raises(ValueError, match="at least 2 tokens"):
+            prefill_rows(model, ids[:, :1])
+        short = model(ids[:1, :-2], use_cache=True).cache
+        whole = model(ids[:1, :-1], use_cache=True).cache
+        with pytest.raises(ValueError, match="prompts of different lengths"):
+            SparseCache.join([whole, short])
+        with pytest.raises(ValueError, match="hold a whole prompt"):
+            SparseCache.join([whole, press.make_cache(model)])
+        with pytest.raises(ValueError, match="one or more sparsekv caches"):
+            SparseCache.join([])
+    other = H2OPress(ratio=0.3)
+    with other(model), torch.no_grad():
+        theirs = model(ids[:1, :-1], use_cache=True).cache
+    with pytest.raises(ValueError, match="different presses"):
+        SparseCache.join([whole, theirs])
+
+
+class _Rows(RowState):
+    def __init__(self, table, n_pages, extra):
+        self.table, self.n_pages, self.extra = table, n_pages, extra
+
+
+def test_row_state_join_names_what_cannot_be_joined():
+    """Per-row tensors are concatenated (also in dicts and tuples); anything else must be equal, or the error
+    names the attribute."""
+    a = _Rows(torch.zeros(1, 3), 4, {"pair": (torch.ones(1, 2), torch.zeros(1))})
+    b = _Rows(torch.ones(1, 3), 4, {"pair": (torch.zeros(1, 2), torch.ones(1))})
+    joined = _Rows.joined([a, b])
+    assert torch.equal(joined.table, torch.tensor([[0.0] * 3, [1.0] * 3]))
+    assert torch.equal(joined.extra["pair"][1], torch.tensor([0.0, 1.0])) and joined.n_pages == 4
+    with pytest.raises(ValueError, match=r"_Rows.table cannot be joined: its shapes differ"):
+        _Rows.joined([a, _Rows(torch.zeros(1, 5), 4, b.extra)])
+    with pytest.raises(ValueError, match=r"_Rows.n_pages cannot be joined: it differs"):
+        _Rows.joined([a, _Rows(torch.zeros(1, 3), 5, b.extra)])
+    assert DEVICE is not None
