@@ -272,8 +272,8 @@ class SparseCache(RowState, Cache):
                              "prompt, or a prompt read in pieces before its last, cannot be joined).")
         lengths = {c.get_seq_length() for c in caches}
         if len(lengths) > 1:
-            raise ValueError(f"caches: they hold prompts of different lengths ({sorted(lengths)}); left-pad the prompts "
-                             "to one length (with their attention mask) before prefilling them apart.")
+            raise ValueError(f"caches: they hold prompts of different lengths ({sorted(lengths)}); left-pad the "
+                             "prompts to one length (with their attention mask) before prefilling them apart.")
         if len({c.budgets is None for c in caches}) > 1:
             raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
         out = cls(press, first.config)

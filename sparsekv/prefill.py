@@ -165,7 +165,8 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     if model not in _active:
         raise ValueError("model: install a press first: `with press(model): cache = prefill_rows(model, ids)`.")
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
-        raise ValueError(f"input_ids: a (batch, length) tensor of at least 2 tokens; got shape {tuple(input_ids.shape)}.")
+        raise ValueError("input_ids: a (batch, length) tensor of at least 2 tokens; got shape "
+                         f"{tuple(input_ids.shape)}.")
     if isinstance(rows_at_once, bool) or not isinstance(rows_at_once, int) or rows_at_once < 1:
         raise ValueError(f"rows_at_once: an integer >= 1 (rows prefilled together); got {rows_at_once!r}.")
     if attention_mask is None:

@@ -4,9 +4,9 @@ Every object holding state for one generation (a cache layer, a press's per-laye
 derives from `RowState`. The contract is one rule: **every tensor it holds has the batch first** (or 1,
 broadcast over the rows), also inside dicts, lists and tuples, unless its attribute is named in `shared_state`.
 Beam search (`reorder_cache`), `batch_select_indices`, `batch_repeat_interleave`, joining rows prefilled apart
-(`joined`) and memory accounting are then written once, here, and a new attribute is covered by existing: nothing to register, nothing to forget. A tensor
-that breaks the rule (its first dimension is not the batch) raises when the batch is reordered, naming the
-attribute.
+(`joined`) and memory accounting are then written once, here, and a new attribute is covered by existing:
+nothing to register, nothing to forget. A tensor that breaks the rule (its first dimension is not the batch)
+raises when the batch is reordered, naming the attribute.
 """
 
 from __future__ import annotations
