@@ -26,6 +26,7 @@ import json
 import math
 import statistics
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from .environment import environment
 from .evaluation.presses import check_press, known_presses, make_press
 from .models import require
 from .niah import build_needle_prompt
+from .prefill import prefill_rows
 from .table import format_table
 
 WARMUP_TOKENS = 1024  # warm-up prompt length (at most the configuration's own)
@@ -204,8 +206,10 @@ def running_median(values: list[float], window: int = 16) -> list[float]:
     return [statistics.median(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=None, attention_mask=None) -> dict:
-    """One greedy generation of exactly `max_new_tokens` tokens with `press` (None: full cache).
+def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=None, attention_mask=None,
+            rows_apart: bool = False) -> dict:
+    """One greedy generation of exactly `max_new_tokens` tokens with `press` (None: full cache); `rows_apart`:
+    the prompts prefilled one row at a time and joined (`prefill_rows`), then decoded together.
 
     Returns prefill seconds, the decode latency of every step (ms), peak memory above the pre-run level (MB;
     CUDA: None off the GPU), the final cache's resident and attended tokens and KV bytes, and the press's own
@@ -218,14 +222,18 @@ def measure(model, ids: torch.Tensor, press, max_new_tokens: int, pad_token_id=N
         torch.cuda.reset_peak_memory_stats(ids.device)
         gpu_base = torch.cuda.memory_allocated(ids.device)
     with PeakRSS() as rss, press(model) if press is not None else nullcontext():
+        start, kwargs = time.perf_counter(), {}
+        if rows_apart:
+            kwargs["cache"] = prefill_rows(model, ids, attention_mask)
+        apart_s = time.perf_counter() - start
         out, _, stamps = timed_generate(model, ids, max_new_tokens, min_new_tokens=max_new_tokens,
-                                        pad_token_id=pad_token_id, attention_mask=attention_mask)
+                                        pad_token_id=pad_token_id, attention_mask=attention_mask, **kwargs)
     resident, attended, kv_bytes = cache_footprint(out.cache)
     steps = step_latencies(stamps)
     seconds = dict(getattr(out.cache, "seconds", {}))  # press work, a SparseCache only
     jaccard = out.cache.stats().layer_jaccard if hasattr(out.cache, "stats") else []
     return {
-        "prefill_s": stamps[0],
+        "prefill_s": apart_s + stamps[0],
         "steps_ms": steps,
         "compress_s": seconds.pop("compress", None),
         "press_ms": sum(seconds.values()) * 1000 / max(len(steps), 1) if press is not None else None,
@@ -370,11 +378,11 @@ def batch_inputs(source: torch.Tensor, row_lengths: list[int], pad_id: int) -> t
 
 def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm"), ratios=None, budgets=None,
               max_new_tokens: int = 64, repeats: int = 3, plot=None, json_path=None, title: str = "",
-              batch_sizes=(1,), ragged: bool = False) -> list[dict]:
+              batch_sizes=(1,), ragged: bool = False, rows_apart: bool = False) -> list[dict]:
     """Measure every configuration (warm-up, then `repeats` interleaved runs); return the summary rows.
 
     `ratios` defaults to `[0.1]` unless `budgets` is given. Every configuration runs at each of `batch_sizes`
-    (`ragged`: rows of different lengths, see `Setting`). Writes the latency plot to `plot` (and, with several
+    (`ragged`: rows of different lengths, see `Setting`; `rows_apart`: prefilled one row at a time and joined). Writes the latency plot to `plot` (and, with several
     batch sizes, the throughput plot beside it, `*_throughput.png`) and the rows (with their per-step latency
     curves) to `json_path` when given. Invalid inputs raise ValueError before any run.
     """
@@ -385,6 +393,8 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
         raise ValueError(f"--batch-sizes: give integers >= 1; got {list(batch_sizes)}.")
     triples = plan(lengths, presses, ratios, budgets, batch_sizes, ragged)
     settings = list(dict.fromkeys(s for triple in triples for s in (triple[1], triple[2], triple[0])))
+    if rows_apart:
+        check_rows_apart(settings, tokenizer, lengths)
 
     longest = max(s.length for s in settings)
     source, _ = build_needle_prompt(tokenizer, math.ceil(1.03 * longest) + 16)
@@ -396,7 +406,7 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
     def run(setting: Setting, length: int, new_tokens: int) -> dict:
         rows = [max(1, round(n * length / setting.length)) for n in setting.row_lengths()]  # scaled for warm-ups
         ids, mask = batch_inputs(source, rows, pad)
-        return measure(model, ids, setting.make_press(tokenizer), new_tokens, pad, mask)
+        return measure(model, ids, setting.make_press(tokenizer), new_tokens, pad, mask, rows_apart)
 
     # Every code path once, on a short prompt the press accepts; presses first: a budget they refuse fails fast.
     for s in tqdm(sorted(settings, key=lambda s: s.press == "full"), desc="warm-up"):
@@ -419,11 +429,20 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
             plot_throughput(rows, Path(plot).with_name(Path(plot).stem + "_throughput.png"), title)
     if json_path:
         meta = {"title": title, "threads": torch.get_num_threads(), "device": str(model.device),
-                "batch_sizes": list(batch_sizes), "ragged": ragged,
+                "batch_sizes": list(batch_sizes), "ragged": ragged, "rows_apart": rows_apart,
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "dtype": str(model.dtype).removeprefix("torch."),
                 "attn_implementation": model.config._attn_implementation, "environment": environment(model.device)}
         Path(json_path).write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return rows
+
+
+def check_rows_apart(settings, tokenizer, lengths) -> None:
+    """`--rows-apart` needs presses whose caches join (`Press.joins_rows`): refuse the others before any run."""
+    refused = sorted({s.label(lengths) for s in settings
+                      if s.press != "full" and not s.make_press(tokenizer).joins_rows})
+    if refused:
+        raise ValueError(f"--rows-apart: {', '.join(refused)} cannot join rows prefilled apart (CHESS and SentenceKV "
+                         "keep per-prompt stores); leave them out, or run without --rows-apart.")
 
 
 # --- capacity: the largest batch within a memory budget -------------------------------------------------------------
@@ -434,9 +453,11 @@ def model_mb(model) -> float:
 
 
 def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, memory_budget_gb: float = 8.0,
-                 max_batch: int = 64, max_new_tokens: int = 16) -> list[dict]:
+                 max_batch: int = 64, max_new_tokens: int = 16, rows_apart: bool = False) -> list[dict]:
     """For the full cache, each press and its oracle at each length: the largest batch (1, 2, 4, ... up to
-    `max_batch`) whose measured memory fits `memory_budget_gb`, and its decoding tokens/s.
+    `max_batch`) whose measured memory fits `memory_budget_gb`, and its decoding tokens/s. `rows_apart`: every
+    configuration's prompts prefilled one row at a time and joined (`prefill_rows`), so that the batch is capped by
+    what decoding holds, not by a batch's prefill.
 
     Memory is the model's weights plus the run's peak above its start: the process's resident set on a CPU,
     `torch.cuda.max_memory_allocated` on a GPU. Each batch size is measured once; the search stops at the first
@@ -448,6 +469,8 @@ def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, 
     if not memory_budget_gb > 0:
         raise ValueError(f"--memory-budget: must be a positive number of GB; got {memory_budget_gb}.")
     settings = list(dict.fromkeys(s for triple in plan(lengths, presses, ratios, budgets) for s in triple[1:] + triple[:1]))
+    if rows_apart:
+        check_rows_apart(settings, tokenizer, lengths)
     source, _ = build_needle_prompt(tokenizer, math.ceil(1.03 * max(lengths)) + 16)
     source = source.to(model.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -458,7 +481,7 @@ def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, 
         while batch <= max_batch:
             setting = Setting(base.press, base.length, base.ratio, base.budget, batch)
             ids, mask = batch_inputs(source, setting.row_lengths(), pad)
-            run = measure(model, ids, setting.make_press(tokenizer), max_new_tokens, pad, mask)
+            run = measure(model, ids, setting.make_press(tokenizer), max_new_tokens, pad, mask, rows_apart)
             memory = weights + (run["cuda_peak_mb"] if run["cuda_peak_mb"] is not None else run["peak_mb"])
             if memory > budget_mb:
                 break
@@ -505,6 +528,10 @@ def add_arguments(parser) -> None:
         "(weights + measured peak), and its tokens/s")
     add("--max-batch", type=_int_at_least(1), default=64, help="largest batch tried by --memory-budget "
         "(default: %(default)s)")
+    add("--rows-apart", action="store_true",
+        help="prefill each batch one row at a time and join the caches before decoding them together "
+        "(sparsekv.prefill_rows): the prefill's peak is one row's; presses that cannot join (CHESS, SentenceKV) "
+        "are refused")
     add("--ragged", action="store_true",
         help="rows of different lengths in a batch: from --lengths down to half of it, left-padded")
     add("--repeats", type=_int_at_least(1), default=3, help="timed runs per configuration (default: %(default)s)")
@@ -535,13 +562,13 @@ def run_command(args) -> int:
         if args.memory_budget is not None:
             print(f"{args.model}, {device}, {torch.get_num_threads()} threads, {args.max_new_tokens} new tokens")
             rows = run_capacity(model, tokenizer, args.lengths, args.presses, ratios, args.budgets,
-                                args.memory_budget, args.max_batch, args.max_new_tokens)
+                                args.memory_budget, args.max_batch, args.max_new_tokens, args.rows_apart)
             print(format_capacity(rows, args.memory_budget))
             return 0
         title = f"{args.model}, {device}, {torch.get_num_threads()} threads, median of {args.repeats}"
         print(title)
         rows = run_bench(model, tokenizer, args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens,
-                         args.repeats, args.plot, args.json, title, args.batch_sizes, args.ragged)
+                         args.repeats, args.plot, args.json, title, args.batch_sizes, args.ragged, args.rows_apart)
     except ValueError as err:
         args.parser.error(str(err))
     print(format_rows(rows))

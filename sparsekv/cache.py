@@ -277,7 +277,7 @@ class SparseCache(RowState, Cache):
         if len({c.budgets is None for c in caches}) > 1:
             raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
         out = cls(press, first.config)
-        out.layers = [_joined_layer([c.layers[i] for c in caches]) for i in range(len(first.layers))]
+        out.layers = [joined_layer([c.layers[i] for c in caches]) for i in range(len(first.layers))]
         for name in ("prompt_lengths", "prompt_start", "budgets"):
             values = [getattr(c, name) for c in caches]
             setattr(out, name, None if values[0] is None else torch.cat(values))
@@ -531,7 +531,7 @@ class SparseCache(RowState, Cache):
         return pairs
 
 
-def _joined_layer(layers: list):
+def joined_layer(layers: list):
     """The rows of one layer of several caches: a sparsekv layer joins itself (`KVLayer.joined`); transformers'
     own layers (sliding windows) hold one tensor of keys and one of values, batch first."""
     if isinstance(layers[0], KVLayer):

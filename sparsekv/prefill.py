@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import Cache, DynamicCache, GenerationConfig
 
-from .cache import SparseCache
+from .cache import SparseCache, joined_layer
 from .hooks import _active, attention_modules, compressed_layers
 
 
@@ -144,26 +144,26 @@ def generate_from(model, press, cache, input_ids: torch.Tensor, generation_confi
 
 @torch.no_grad()
 def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 rows_at_once: int = 1) -> SparseCache:
-    """The compressed cache of a batch of prompts, prefilled `rows_at_once` rows at a time under the press installed
-    on `model` and joined (`SparseCache.join`), holding every prompt token but the last.
+                 rows_at_once: int = 1) -> Cache:
+    """The cache of a batch of prompts, prefilled `rows_at_once` rows at a time and joined, holding every prompt
+    token but the last: compressed by the press installed on `model` (`SparseCache.join`), or the full cache
+    when none is.
 
     A press keeps a fraction of each prompt's KV, but a batch prefilled together first holds every row's whole
     prompt (and its activations) at once: that peak, not the compressed KV, caps the batch that fits. Prefilled
-    apart, the peak is one group's prefill beside the compressed KV of the rows done, so the batch that fits
-    grows with the compression. Continue with the whole prompts, e.g. `model.generate(input_ids,
-    attention_mask=attention_mask, cache=cache, ...)`: generate reads the last prompt token as its first step, and
-    decodes the rows together. The rows keep the tokens a batch prefilled together on all but the last token
-    would keep (tested); any generation mode runs on the result.
+    apart, the peak is one group's prefill beside the compressed KV of the rows done (and, while they are joined,
+    that KV twice), so the batch that fits grows with the compression. Continue with the whole prompts, e.g.
+    `model.generate(input_ids, attention_mask=attention_mask, cache=cache, ...)`: generate reads the last prompt
+    token as its first step, and decodes the rows together. The rows keep the tokens a batch prefilled together
+    on all but the last token would keep (tested); any generation mode runs on the result (for beams, expand it
+    first: `cache.batch_repeat_interleave(num_beams)`).
 
     Args:
-        model: a model with a press installed (`with press(model):`) whose press declares `joins_rows`.
+        model: a model, with a press installed (`with press(model):`) whose press declares `joins_rows`, or none.
         input_ids: `(batch, L)` prompts, left-padded to one length, at least 2 tokens.
         attention_mask: `(batch, L)` 1 for real tokens, 0 for padding (default: every token real).
         rows_at_once: rows prefilled together (default 1: the lowest peak).
     """
-    if model not in _active:
-        raise ValueError("model: install a press first: `with press(model): cache = prefill_rows(model, ids)`.")
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError("input_ids: a (batch, length) tensor of at least 2 tokens; got shape "
                          f"{tuple(input_ids.shape)}.")
@@ -176,6 +176,12 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         rows = slice(start, start + rows_at_once)
         out = model(input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1], use_cache=True, logits_to_keep=1)
         caches.append(out.cache)
-        if not out.cache.press.joins_rows and rows.stop < input_ids.shape[0]:  # say so before the other rows
-            SparseCache.join(caches * 2)
-    return caches[0] if len(caches) == 1 else SparseCache.join(caches)
+        if isinstance(out.cache, SparseCache) and not out.cache.press.joins_rows and rows.stop < input_ids.shape[0]:
+            SparseCache.join(caches * 2)  # its refusal, before the other rows are prefilled
+    if len(caches) == 1:
+        return caches[0]
+    if isinstance(caches[0], SparseCache):
+        return SparseCache.join(caches)
+    joined = copy.copy(caches[0])  # the full cache: transformers' layers, one tensor of keys and of values each
+    joined.layers = [joined_layer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))]
+    return joined

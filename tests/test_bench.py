@@ -186,8 +186,8 @@ def test_capacity_finds_the_largest_batch_within_the_budget(model, tokenizer, mo
     half the prompt fits twice the full cache's batch, and the search stops at `max_batch`."""
     real = bench.measure
 
-    def measure(model, ids, press, new_tokens, pad, mask):
-        run = real(model, ids, press, new_tokens, pad, mask)
+    def measure(model, ids, press, new_tokens, pad, mask, rows_apart):
+        run = real(model, ids, press, new_tokens, pad, mask, rows_apart)
         return {**run, "peak_mb": ids.shape[0] * run["resident"]}  # 1 MB per token held
 
     monkeypatch.setattr(bench, "measure", measure)
@@ -201,6 +201,30 @@ def test_capacity_finds_the_largest_batch_within_the_budget(model, tokenizer, mo
     assert "largest batch in 0.83 GB" in bench.format_capacity(rows, 0.83) and "8+" in bench.format_capacity(rows, 1)
     with pytest.raises(ValueError, match="--memory-budget: must be a positive number"):
         bench.run_capacity(model, tokenizer, [200], ["streamingllm"], memory_budget_gb=0)
+
+
+def test_rows_apart_hold_what_the_batch_holds(model, tokenizer, monkeypatch):
+    """`--rows-apart`: prompts prefilled one row at a time and joined hold the same KV as the batch prefilled
+    together, and decode what the batch prefilled together on all but the last token decodes (`prefill_rows`);
+    presses that cannot join are refused before any run."""
+    runs = {apart: run_bench(model, tokenizer, [160], ["h2o"], ratios=[0.5], max_new_tokens=4, repeats=1,
+                             batch_sizes=[3], ragged=True, rows_apart=apart) for apart in (False, True)}
+    for together, apart in zip(*runs.values()):
+        assert (together["config"], together["resident"], together["attended"]) == \
+            (apart["config"], apart["resident"], apart["attended"])
+    ids, mask = bench.batch_inputs(torch.arange(3, 163)[None], [160, 120], pad_id=0)
+    press = bench.make_press("h2o", 0.5)
+    with press(model), torch.no_grad():
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        reference = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, min_new_tokens=4,
+                                   do_sample=False, pad_token_id=0)
+    seen, real = [], bench.timed_generate
+    monkeypatch.setattr(bench, "timed_generate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    bench.measure(model, ids, press, 4, 0, mask, rows_apart=True)
+    assert torch.equal(seen[0][0].sequences, reference)
+    for presses, name in ((["chess"], "chess r=0.5"), (["sentencekv"], "sentencekv r=0.5")):
+        with pytest.raises(ValueError, match=f"--rows-apart: {name} cannot join"):
+            run_bench(model, tokenizer, [160], presses, ratios=[0.5], max_new_tokens=2, repeats=1, rows_apart=True)
 
 
 # --- bad inputs --------------------------------------------------------------------------------------------------
@@ -235,12 +259,16 @@ def test_command_line(model_dir, tmp_path, capsys):
                  "--max-new-tokens", "3", "--repeats", "1", "--plot", str(plot), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "decode/oracle" in out and "h2o b=40" in out and plot.exists()
+    assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", "h2o", "--budgets", "40",
+                 "--max-new-tokens", "3", "--repeats", "1", "--batch-sizes", "2", "--rows-apart"]) == 0
+    assert "h2o b=40" in capsys.readouterr().out
     for argv, message in [
         (["--presses", "snapkv,bogus"], "unknown press 'bogus'; known presses"),
         (["--lengths", "5000"], "exceeds the model's context"),
         (["--ratios", "0"], "must be in (0, 1]"),
         (["--ratios", "0.5", "--budgets", "10"], "not allowed with argument"),
         (["--memory-budget", "1", "--batch-sizes", "1,2"], "--memory-budget: a positive number of GB, without"),
+        (["--presses", "chess", "--rows-apart"], "--rows-apart: chess r=0.1 cannot join"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     ]:
         with pytest.raises(SystemExit) as exit_info:

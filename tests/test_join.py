@@ -102,11 +102,25 @@ def test_join_pads_fewer_slots_with_fillers_first_and_leaves_its_caches():
             assert a.logical_len == b.logical_len
 
 
+def test_the_full_cache_prefilled_apart():
+    """Without a press, the rows' full caches are joined: the same tokens as the batch prefilled together."""
+    model = make_model("gemma3", "sdpa")
+    ids, mask = batch()
+    with torch.no_grad():
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+    joined = prefill_rows(model, ids, mask)
+    assert type(joined) is type(cache) and joined.get_seq_length() == ids.shape[1] - 1
+    for a, b in zip(joined.layers, cache.layers):  # (Gemma3's first is a sliding window)
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+    reference = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, cache=joined, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, reference)
+
+
 def test_join_refusals():
     model = make_model("llama")
     ids, mask = batch()
-    with pytest.raises(ValueError, match="install a press first"):
-        prefill_rows(model, ids, mask)
     for press in (CHESSPress(ratio=0.3, page_size=16), SentencePress(make_tokenizer(), ratio=0.4, n_sinks=4,
                                                                      window_size=8)):
         with press(model), pytest.raises(ValueError, match=f"{type(press).__name__}: cannot join caches"):
