@@ -382,9 +382,10 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
     """Measure every configuration (warm-up, then `repeats` interleaved runs); return the summary rows.
 
     `ratios` defaults to `[0.1]` unless `budgets` is given. Every configuration runs at each of `batch_sizes`
-    (`ragged`: rows of different lengths, see `Setting`; `rows_apart`: prefilled one row at a time and joined). Writes the latency plot to `plot` (and, with several
-    batch sizes, the throughput plot beside it, `*_throughput.png`) and the rows (with their per-step latency
-    curves) to `json_path` when given. Invalid inputs raise ValueError before any run.
+    (`ragged`: rows of different lengths, see `Setting`; `rows_apart`: prefilled one row at a time and joined).
+    Writes the latency plot to `plot` (and, with several batch sizes, the throughput plot beside it,
+    `*_throughput.png`) and the rows (with their per-step latency curves) to `json_path` when given. Invalid
+    inputs raise ValueError before any run.
     """
     ratios = [0.1] if ratios is None and budgets is None else ratios
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
