@@ -3,7 +3,8 @@
 # on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens, decode steps against the oracle at
 # batch 1 with host synchronisations counted, each step's ops by source line, a profile of a step per press (torch
 # and cProfile), the steps at batch 8, the largest
-# batch each fits in the full cache's batch-1 memory, the prefill's peak with the prompt in pieces,
+# batch each fits in the full cache's batch-1 memory (prefilled together, then a row at a time and joined), the
+# prefill's peak with the prompt in pieces,
 # `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
 # B1_PRESSES, B8_PRESSES, OPS_PRESSES, PROFILE_PRESSES and CHUNKED_PRESSES, when set, replace the press lists of
@@ -17,7 +18,7 @@ TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
 # the steps' names only
-STEPS=" ${*:-tests decode32k_b1 ops32k profile32k decode32k_b8 capacity32k chunked32k bench32k decode128k_b1} "
+STEPS=" ${*:-tests decode32k_b1 ops32k profile32k decode32k_b8 capacity32k capacity32k_apart chunked32k bench32k decode128k_b1} "
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -58,6 +59,9 @@ run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --leng
 # The full cache at batch 1 and 32k took 16.06 GB of weights + 7.8 GB at its peak (docs/gpu.md): 24 GB.
 run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
   --presses snapkv,streamingllm,chunkkv,sentencekv --memory-budget 24 --max-batch 16
+# The same with each batch prefilled a row at a time and joined: the batch the compressed KV allows.
+run capacity32k_apart 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
+  --presses snapkv,streamingllm,chunkkv,h2o --memory-budget 24 --max-batch 32 --rows-apart
 # The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
 run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
   --presses "${CHUNKED_PRESSES:-snapkv,streamingllm}" --new-tokens 4

@@ -246,14 +246,15 @@ class SparseCache(RowState, Cache):
         return clone
 
     @classmethod
-    def join(cls, caches: list[SparseCache]) -> SparseCache:
+    def join(cls, caches: list[SparseCache], consume: bool = False) -> SparseCache:
         """One cache holding the rows of `caches`, in order, laid out as if their prompts had been prefilled
         together: a batch whose prefill's peak memory was one cache's, not the batch's.
 
         Each cache holds a prompt (left-padded to one length across the caches, with its attention mask, as a
         batch would be), built under the same press, with no forward under way. Its press must declare
-        `joins_rows`. The result is a copy (for a moment the rows' KV is held twice: drop the caches joined);
-        they are left as they were.
+        `joins_rows`. The result is a copy; the caches are left as they were, unless `consume`: then each
+        cache's layers are released as soon as they are joined (the caches are unusable after), so that the rows'
+        KV is never held twice, only one layer's.
         """
         caches = list(caches)
         if not caches or not all(isinstance(c, SparseCache) for c in caches):
@@ -277,7 +278,7 @@ class SparseCache(RowState, Cache):
         if len({c.budgets is None for c in caches}) > 1:
             raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
         out = cls(press, first.config)
-        out.layers = [joined_layer([c.layers[i] for c in caches]) for i in range(len(first.layers))]
+        out.layers = join_layers(caches, consume)
         for name in ("prompt_lengths", "prompt_start", "budgets"):
             values = [getattr(c, name) for c in caches]
             setattr(out, name, None if values[0] is None else torch.cat(values))
@@ -529,6 +530,18 @@ class SparseCache(RowState, Cache):
             union = (a | b).sum(-1).clamp(min=1)
             pairs.append(float(((a & b).sum(-1) / union).mean()))
         return pairs
+
+
+def join_layers(caches: list[Cache], consume: bool) -> list:
+    """Every layer of `caches` joined (`joined_layer`), in order; `consume`: each cache's layer released once
+    joined, so that at most one layer's rows are held twice."""
+    layers = []
+    for i in range(len(caches[0].layers)):
+        layers.append(joined_layer([c.layers[i] for c in caches]))
+        if consume:
+            for c in caches:
+                c.layers[i] = None
+    return layers
 
 
 def joined_layer(layers: list):

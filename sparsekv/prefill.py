@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig
 
-from .cache import SparseCache, joined_layer
+from .cache import SparseCache, join_layers
 from .hooks import _active, attention_modules, compressed_layers
 
 
@@ -174,14 +174,16 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     caches = []
     for start in range(0, input_ids.shape[0], rows_at_once):
         rows = slice(start, start + rows_at_once)
-        out = model(input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1], use_cache=True, logits_to_keep=1)
-        caches.append(out.cache)
-        if isinstance(out.cache, SparseCache) and not out.cache.press.joins_rows and rows.stop < input_ids.shape[0]:
+        cache = model(input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1], use_cache=True,
+                      logits_to_keep=1).cache
+        caches.append(cache)
+        if isinstance(cache, SparseCache) and not cache.press.joins_rows and rows.stop < input_ids.shape[0]:
             SparseCache.join(caches * 2)  # its refusal, before the other rows are prefilled
     if len(caches) == 1:
         return caches[0]
+    # The caches are this function's own: each layer is released once joined (the KV is never held twice).
     if isinstance(caches[0], SparseCache):
-        return SparseCache.join(caches)
+        return SparseCache.join(caches, consume=True)
     joined = copy.copy(caches[0])  # the full cache: transformers' layers, one tensor of keys and of values each
-    joined.layers = [joined_layer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))]
+    joined.layers = join_layers(caches, consume=True)
     return joined

@@ -96,6 +96,9 @@ def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
                        "--presses", "snapkv"])
     out = capsys.readouterr().out
     assert "snapkv r=0.1" in out and "oracle" in out and "full" in out
+    random_bench.main([*SMALL, "--tokenizer", tokenizer_dir, "--lengths", "600", "--max-new-tokens", "3",
+                       "--presses", "h2o", "--memory-budget", "64", "--max-batch", "2", "--rows-apart"])
+    assert "2+" in capsys.readouterr().out  # (gpu_session.sh's capacity32k_apart: every configuration fits 2)
 
 
 def test_chunked_prefill_on_a_random_model(tokenizer_dir, capsys):

@@ -164,3 +164,18 @@ def test_row_state_join_names_what_cannot_be_joined():
     with pytest.raises(ValueError, match=r"_Rows.n_pages cannot be joined: it differs"):
         _Rows.joined([a, _Rows(torch.zeros(1, 3), 5, b.extra)])
     assert DEVICE is not None
+
+
+def test_a_consuming_join_releases_each_layer_and_joins_the_same():
+    """`consume=True` (what `prefill_rows` does with its own caches): the same joined KV, and the caches' layers
+    released, so the rows' KV is never held twice."""
+    model = make_model("llama")
+    ids, mask = batch()
+    press = H2OPress(ratio=0.3)
+    with press(model), torch.no_grad():
+        parts = [model(ids[i:i + 1, :-1], attention_mask=mask[i:i + 1, :-1], use_cache=True).cache for i in range(3)]
+        kept = SparseCache.join(parts).prompt_kept()
+        consumed = SparseCache.join(parts, consume=True)
+    assert all(layer is None for part in parts for layer in part.layers)
+    for layer, positions in consumed.prompt_kept().items():
+        assert torch.equal(positions, kept[layer])
