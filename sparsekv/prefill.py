@@ -151,8 +151,8 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
     A press keeps a fraction of each prompt's KV, but a batch prefilled together first holds every row's whole
     prompt (and its activations) at once: that peak, not the compressed KV, caps the batch that fits. Prefilled
-    apart, the peak is one group's prefill beside the compressed KV of the rows done (and, while they are joined,
-    that KV twice), so the batch that fits grows with the compression. Continue with the whole prompts, e.g.
+    apart, the peak is one group's prefill beside the compressed KV of the rows done (joined layer by layer, each
+    row's layer released once joined), so the batch that fits grows with the compression. Continue with the whole prompts, e.g.
     `model.generate(input_ids, attention_mask=attention_mask, cache=cache, ...)`: generate reads the last prompt
     token as its first step, and decodes the rows together. The rows keep the tokens a batch prefilled together
     on all but the last token would keep (tested); any generation mode runs on the result (for beams, expand it
