@@ -61,10 +61,8 @@ class Prefill:
             for i in compressed_layers(model.config):
                 handles.append(modules[i].register_forward_pre_hook(partial(record, i), with_kwargs=True))
             cache = DynamicCache(config=model.config)
-            # Positions as `generate` gives them: counted from each row's first real token.
-            positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-            out = model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                        logits_to_keep=1)
+            out = model(input_ids, attention_mask=attention_mask, position_ids=prompt_positions(attention_mask),
+                        cache=cache, logits_to_keep=1)
         finally:
             for handle in handles:
                 handle.remove()
@@ -142,6 +140,12 @@ def generate_from(model, press, cache, input_ids: torch.Tensor, generation_confi
                               cache=copy.deepcopy(cache) if copy_cache else cache, generation_config=generation_config)
 
 
+def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position `(batch, L)` as `generate` gives it: counted from its row's first real token (0 for
+    the padding before it). A model called without them counts from the first column, padding included."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+
 @torch.no_grad()
 def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  rows_at_once: int = 1) -> Cache:
@@ -171,11 +175,11 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         raise ValueError(f"rows_at_once: an integer >= 1 (rows prefilled together); got {rows_at_once!r}.")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    caches = []
+    caches, positions = [], prompt_positions(attention_mask[:, :-1])
     for start in range(0, input_ids.shape[0], rows_at_once):
         rows = slice(start, start + rows_at_once)
-        cache = model(input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1], use_cache=True,
-                      logits_to_keep=1).cache
+        cache = model(input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1], position_ids=positions[rows],
+                      use_cache=True, logits_to_keep=1).cache
         caches.append(cache)
         if isinstance(cache, SparseCache) and not cache.press.joins_rows and rows.stop < input_ids.shape[0]:
             SparseCache.join(caches * 2)  # its refusal, before the other rows are prefilled

@@ -215,7 +215,8 @@ def test_rows_apart_hold_what_the_batch_holds(model, tokenizer, monkeypatch):
     ids, mask = bench.batch_inputs(torch.arange(3, 163)[None], [160, 120], pad_id=0)
     press = bench.make_press("h2o", 0.5)
     with press(model), torch.no_grad():
-        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        positions = (mask[:, :-1].cumsum(-1) - 1).clamp(min=0)  # as generate counts them
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions, use_cache=True).cache
         reference = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, min_new_tokens=4,
                                    do_sample=False, pad_token_id=0)
     seen, real = [], bench.timed_generate

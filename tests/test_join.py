@@ -26,11 +26,17 @@ def batch(length: int = 120) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Positions as generate gives them: from each row's first real token."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def together(model, press, ids, mask, **generate):
     """The batch prefilled together on all but the last token, then generated from: the reference, and the
     prompt's cache before decoding (a copy)."""
     with press(model), torch.no_grad():
-        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions(mask[:, :-1]),
+                      use_cache=True).cache
         prefilled = copy.deepcopy(cache)
         out = model.generate(ids, attention_mask=mask, cache=cache, **generate)
     return out, prefilled
@@ -67,10 +73,12 @@ def test_groups_of_rows_and_beam_search():
     press = H2OPress(ratio=0.3)
     settings = dict(max_new_tokens=6, do_sample=False, num_beams=2)
     with press(model), torch.no_grad():
-        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions(mask[:, :-1]),
+                      use_cache=True).cache
         with pytest.raises(ValueError, match=r"holds 3 rows and this forward has 6.*batch_repeat_interleave"):
             model.generate(ids, attention_mask=mask, cache=cache, **settings)
-        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions(mask[:, :-1]),
+                      use_cache=True).cache
         cache.batch_repeat_interleave(2)
         reference = model.generate(ids, attention_mask=mask, cache=cache, **settings)
         joined = prefill_rows(model, ids, mask, rows_at_once=2)
@@ -87,7 +95,8 @@ def test_join_pads_fewer_slots_with_fillers_first_and_leaves_its_caches():
     press = SnapKVPress(ratio=0.3, window_size=8)
     _, cache = together(model, press, ids, mask, max_new_tokens=1)
     with press(model), torch.no_grad():
-        parts = [model(ids[i:i + 1, :-1], attention_mask=mask[i:i + 1, :-1], use_cache=True).cache for i in range(3)]
+        parts = [model(ids[i:i + 1, :-1], attention_mask=mask[i:i + 1, :-1], use_cache=True,
+                       position_ids=positions(mask[i:i + 1, :-1])).cache for i in range(3)]
         before = [copy.deepcopy(part) for part in parts]
         joined = SparseCache.join(parts)
         layer = joined.compressed_layers()[0]
@@ -107,7 +116,8 @@ def test_the_full_cache_prefilled_apart():
     model = make_model("gemma3", "sdpa")
     ids, mask = batch()
     with torch.no_grad():
-        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True).cache
+        cache = model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions(mask[:, :-1]),
+                      use_cache=True).cache
     joined = prefill_rows(model, ids, mask)
     assert type(joined) is type(cache) and joined.get_seq_length() == ids.shape[1] - 1
     for a, b in zip(joined.layers, cache.layers):  # (Gemma3's first is a sliding window)
