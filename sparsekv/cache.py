@@ -265,9 +265,7 @@ class SparseCache(RowState, Cache):
         if any(c.press != press for c in caches):
             raise ValueError("caches: they were built under different presses "
                              f"({sorted({repr(c.press) for c in caches})}); join caches of one press.")
-        if not press.joins_rows:
-            raise ValueError(f"{type(press).__name__}: cannot join caches prefilled apart (its state is not laid out "
-                             "per row alike: joins_rows is False); prefill the rows together.")
+        check_joins_rows(press)
         if any(c.prompt_lengths is None or c.forward is not None or c.pieces is not None for c in caches):
             raise ValueError("caches: each must hold a whole prompt, with no forward under way (a cache before its "
                              "prompt, or a prompt read in pieces before its last, cannot be joined).")
@@ -530,6 +528,13 @@ class SparseCache(RowState, Cache):
             union = (a | b).sum(-1).clamp(min=1)
             pairs.append(float(((a & b).sum(-1) / union).mean()))
         return pairs
+
+
+def check_joins_rows(press) -> None:
+    """Refuse a press whose caches cannot be joined (`Press.joins_rows` False)."""
+    if not press.joins_rows:
+        raise ValueError(f"{type(press).__name__}: cannot join caches prefilled apart (its state is not laid out "
+                         "per row alike: joins_rows is False); prefill the rows together.")
 
 
 def join_layers(caches: list[Cache], consume: bool) -> list:

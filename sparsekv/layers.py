@@ -310,15 +310,16 @@ class KVLayer(RowState, CacheLayerMixin):
             shape[dim] = slots - t.shape[dim]
             return torch.cat([t.new_full(shape, fill), t], dim=dim)
 
+        # The batch's flags, alike in every row's copy (the generic join requires it).
+        compressed = any(layer.compressed for layer in layers)
+        all_valid = all(layer.all_valid and layer.slots == slots for layer in layers)
         copies = []
         for layer in layers:
             twin = copy.copy(layer)
             vars(twin).update(
                 _keys=padded(layer.keys, 0), _values=padded(layer.values, 0), _positions=padded(layer.positions, 0),
                 _valid=padded(layer.valid, False), _extra={n: padded(t, 0) for n, t in layer.extra.items()},
-                pending=None, pending_indices=None, unwritten=0, layouts=0,
-                compressed=any(other.compressed for other in layers),
-                all_valid=all(other.all_valid and other.slots == slots for other in layers))
+                pending=None, pending_indices=None, unwritten=0, layouts=0, compressed=compressed, all_valid=all_valid)
             copies.append(twin)
         return super().joined(copies)
 

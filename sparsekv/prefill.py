@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig
 
-from .cache import SparseCache, join_layers
+from .cache import SparseCache, check_joins_rows, join_layers
 from .hooks import _active, attention_modules, compressed_layers
 
 
@@ -156,9 +156,9 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     A press keeps a fraction of each prompt's KV, but a batch prefilled together first holds every row's whole
     prompt (and its activations) at once: that peak, not the compressed KV, caps the batch that fits. Prefilled
     apart, the peak is one group's prefill beside the compressed KV of the rows done (joined layer by layer, each
-    row's layer released once joined), so the batch that fits grows with the compression. Continue with the whole prompts, e.g.
-    `model.generate(input_ids, attention_mask=attention_mask, cache=cache, ...)`: generate reads the last prompt
-    token as its first step, and decodes the rows together. The rows keep the tokens a batch prefilled together
+    row's layer released once joined), so the batch that fits grows with the compression. Continue with the
+    whole prompts, e.g. `model.generate(input_ids, attention_mask=attention_mask, cache=cache, ...)`: generate
+    reads the last prompt token as its first step, and decodes the rows together. The rows keep the tokens a batch prefilled together
     on all but the last token would keep (tested); any generation mode runs on the result (for beams, expand it
     first: `cache.batch_repeat_interleave(num_beams)`).
 
@@ -181,8 +181,8 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         cache = model(input_ids[rows, :-1], attention_mask=attention_mask[rows, :-1], position_ids=positions[rows],
                       use_cache=True, logits_to_keep=1).cache
         caches.append(cache)
-        if isinstance(cache, SparseCache) and not cache.press.joins_rows and rows.stop < input_ids.shape[0]:
-            SparseCache.join(caches * 2)  # its refusal, before the other rows are prefilled
+        if isinstance(cache, SparseCache) and rows.stop < input_ids.shape[0]:
+            check_joins_rows(cache.press)  # before the other rows are prefilled
     if len(caches) == 1:
         return caches[0]
     # The caches are this function's own: each layer is released once joined (the KV is never held twice).
