@@ -7,8 +7,8 @@
 # prefill's peak with the prompt in pieces,
 # `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
-# B1_PRESSES, B8_PRESSES, OPS_PRESSES, PROFILE_PRESSES and CHUNKED_PRESSES, when set, replace the press lists of
-# decode32k_b1, decode32k_b8, ops32k, profile32k and chunked32k.
+# B1_PRESSES, B8_PRESSES, OPS_PRESSES, PROFILE_PRESSES, APART_PRESSES and CHUNKED_PRESSES, when set, replace the
+# press lists of decode32k_b1, decode32k_b8, ops32k, profile32k, capacity32k_apart and chunked32k.
 #
 #   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
@@ -42,7 +42,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 
 run tests 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --device cuda \
   tests/test_devices.py tests/test_core.py tests/test_generate_modes.py tests/test_chess.py \
-  tests/test_sentencekv.py tests/test_chunkkv.py tests/test_prefill.py tests/test_errors.py tests/test_registry.py
+  tests/test_sentencekv.py tests/test_chunkkv.py tests/test_prefill.py tests/test_errors.py tests/test_registry.py \
+  tests/test_join.py
 
 SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
 B1_PRESSES=${B1_PRESSES:-snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer}
@@ -60,9 +61,10 @@ run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --leng
 run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
   --presses snapkv,streamingllm,chunkkv,sentencekv --memory-budget 24 --max-batch 16
 # The same with each batch prefilled a row at a time and joined: the batch the compressed KV allows.
-# (every batch tried is prefilled row by row: 1 + 2 + ... + 16 rows of 32k a press, about 1.8 s each on an H100)
-run capacity32k_apart 240 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
-  --presses snapkv,h2o --memory-budget 24 --max-batch 16 --rows-apart
+# (every batch tried is prefilled row by row: 1 + 2 + ... + 16 rows of 32k a press, about 1.8 s each on an H100;
+# H2O's prefill, 11.5 s a row, would take the whole step alone)
+run capacity32k_apart 200 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
+  --presses "${APART_PRESSES:-snapkv,streamingllm}" --memory-budget 24 --max-batch 16 --rows-apart
 # The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
 run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
   --presses "${CHUNKED_PRESSES:-snapkv,streamingllm}" --new-tokens 4
