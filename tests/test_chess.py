@@ -417,7 +417,7 @@ def test_chess_rules_best_token_is_a_pages_largest_product():
         real = products[page][~products[page].isnan()]
         assert best[0, page] == real.max()
         assert real.mean() <= best[0, page] <= bound[0, page] + 1e-4
-    vectors, anchor_again, _ = press.page_vectors(out.cache.state.page_sums, torch.tensor([n]))
+    vectors, anchor_again, _ = press.page_vectors(out.cache.state.page_sums, torch.tensor([n], device=DEVICE))
     torch.testing.assert_close(anchor_again[0], anchor)
     complete = n // press.page_size  # the page means agree with the keys read back from the store
     torch.testing.assert_close((vectors[0, :complete] @ anchor), products[:complete].mean(-1), atol=1e-3, rtol=1e-3)
