@@ -8,7 +8,8 @@
 # `sparsekv bench` rows (prefill, GPU memory, KV bytes);
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
 # B1_PRESSES, B8_PRESSES, OPS_PRESSES, PROFILE_PRESSES, APART_PRESSES and CHUNKED_PRESSES, when set, replace the
-# press lists of decode32k_b1, decode32k_b8, ops32k, profile32k, capacity32k_apart and chunked32k.
+# press lists of decode32k_b1, decode32k_b8, ops32k, profile32k, capacity32k_apart and chunked32k; APART_MAX_BATCH
+# the largest batch capacity32k_apart tries (16).
 #
 #   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
@@ -18,7 +19,7 @@ TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
 # the steps' names only
-STEPS=" ${*:-tests decode32k_b1 ops32k profile32k decode32k_b8 capacity32k capacity32k_apart chunked32k bench32k decode128k_b1} "
+STEPS=" ${*:-tests tests_more decode32k_b1 ops32k profile32k decode32k_b8 capacity32k capacity32k_apart chunked32k bench32k decode128k_b1} "
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -45,6 +46,10 @@ run tests 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --
   tests/test_sentencekv.py tests/test_chunkkv.py tests/test_prefill.py tests/test_errors.py tests/test_registry.py \
   tests/test_join.py
 
+# The files the steps above leave out: the model matrix, the GPU benchmarks' own tests, the pipelines.
+run tests_more 240 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --device cuda \
+  tests/test_models.py tests/test_gpu_benchmarks.py tests/test_pipeline.py
+
 SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
 B1_PRESSES=${B1_PRESSES:-snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer}
 run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
@@ -64,7 +69,7 @@ run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 3
 # (every batch tried is prefilled row by row: 1 + 2 + ... + 16 rows of 32k a press, about 1.8 s each on an H100;
 # H2O's prefill, 11.5 s a row, would take the whole step alone)
 run capacity32k_apart 200 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
-  --presses "${APART_PRESSES:-snapkv,streamingllm}" --memory-budget 24 --max-batch 16 --rows-apart
+  --presses "${APART_PRESSES:-snapkv,streamingllm}" --memory-budget 24 --max-batch "${APART_MAX_BATCH:-16}" --rows-apart
 # The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
 run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
   --presses "${CHUNKED_PRESSES:-snapkv,streamingllm}" --new-tokens 4

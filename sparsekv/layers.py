@@ -630,12 +630,21 @@ def append_in_place(current: torch.Tensor, new: torch.Tensor | int | bool, dim: 
         shape[dim] = n + q + GROW
         room = current.new_empty(shape)
         room.narrow(dim, 0, n).copy_(current)
-    slots = room.narrow(dim, n, q)
+    slots = span(room, dim, n, q)
     if isinstance(new, torch.Tensor):
         slots.copy_(new)
     else:
         slots.fill_(new)
-    return room.narrow(dim, 0, n + q)
+    return span(room, dim, 0, n + q)
+
+
+def span(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """`t.narrow(dim, start, length)` as one op: `narrow` dispatches to `slice`, which dispatches to
+    `as_strided`, and a decoding step makes two such views per appended tensor (on a GPU the step is bound by the
+    host, so each op's dispatch counts)."""
+    size = list(t.shape)
+    size[dim] = length
+    return t.as_strided(size, t.stride(), t.storage_offset() + start * t.stride(dim))
 
 
 def victim_indices(victim: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from sparsekv import (
     StreamingLLMPress,
 )
 from sparsekv.cache import GROW, Forward, buffer_of
+from sparsekv.layers import span
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
@@ -123,6 +124,16 @@ def test_appends_are_written_in_place_between_reallocations():
     assert torch.equal(layer.positions[0, 0], torch.cat([torch.arange(2, 8), torch.arange(10, 10 + GROW + 2)]))
     assert layer.valid.shape == (2, 6 + GROW + 2) and bool(layer.valid.all())
     assert buffer_of(torch.zeros(1, 5).expand(3, 5), 5) is None  # broadcast views are never written into
+
+
+def test_span_is_narrow_as_one_op():
+    """The appends' views (`layers.span`): what `narrow` gives, strides and offset included, from a view with an
+    offset too."""
+    t = torch.arange(2 * 4 * 10 * 4).view(2, 4, 10, 4)[:, 1:]
+    for dim, start, length in [(2, 3, 4), (1, 1, 2), (2, 10, 0), (3, 2, 2)]:
+        view, expected = span(t, dim, start, length), t.narrow(dim, start, length)
+        assert torch.equal(view, expected) and view.stride() == expected.stride()
+        assert view.storage_offset() == expected.storage_offset() and view._base is t._base
 
 
 def test_appends_after_an_eviction_or_a_copy_stay_in_place_and_never_touch_another_tensor():
