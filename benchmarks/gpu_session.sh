@@ -68,7 +68,7 @@ run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 3
 # The same with each batch prefilled a row at a time and joined: the batch the compressed KV allows.
 # (every batch tried is prefilled row by row: 1 + 2 + ... + 16 rows of 32k a press, about 1.8 s each on an H100;
 # H2O's prefill, 11.5 s a row, would take the whole step alone)
-run capacity32k_apart 200 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
+run capacity32k_apart 300 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
   --presses "${APART_PRESSES:-snapkv,streamingllm}" --memory-budget 24 --max-batch "${APART_MAX_BATCH:-16}" --rows-apart
 # The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
 run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \

@@ -442,8 +442,8 @@ def check_rows_apart(settings, tokenizer, lengths) -> None:
     refused = sorted({s.label(lengths) for s in settings
                       if s.press != "full" and not s.make_press(tokenizer).joins_rows})
     if refused:
-        raise ValueError(f"--rows-apart: {', '.join(refused)} cannot join rows prefilled apart (CHESS and SentenceKV "
-                         "keep per-prompt stores); leave them out, or run without --rows-apart.")
+        raise ValueError(f"--rows-apart: {', '.join(refused)} cannot join rows prefilled apart (CHESS's store "
+                         "records every token by position); leave them out, or run without --rows-apart.")
 
 
 # --- capacity: the largest batch within a memory budget -------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .state import RowState
+from .state import RowState, padded
 
 # Free slots added when a layer's buffers are full: decoding copies its KV once every GROW steps (a page of CHESS).
 GROW = 32
@@ -291,9 +291,9 @@ class KVLayer(RowState, CacheLayerMixin):
     @classmethod
     def joined(cls, layers: list[KVLayer]) -> KVLayer:
         """One layer holding the rows of `layers` (one type, as many tokens seen), in order, as a batch prefilled
-        together holds them: a row holding fewer slots than the most gets invalid filler slots first, as rows with
-        smaller budgets get them (`keep`), so that validity stays shared by the heads of a row. Pending evictions
-        and unwritten positions are carried out first."""
+        together holds them: a row holding fewer slots than the most gets invalid filler slots where its layout
+        puts them (`filler_slot`: first, as `keep` gives rows with smaller budgets), so that validity stays shared
+        by the heads of a row. Pending evictions and unwritten positions are carried out first."""
         first = layers[0]
         if any(type(layer) is not type(first) or layer.logical_len != first.logical_len or not layer.is_initialized
                for layer in layers):
@@ -301,27 +301,27 @@ class KVLayer(RowState, CacheLayerMixin):
                              f"tokens ({sorted({layer.logical_len for layer in layers})}); join caches of prompts "
                              "padded to one length.")
         slots = max(layer.slots for layer in layers)
-
-        def padded(t: torch.Tensor, fill) -> torch.Tensor:
-            dim = slot_dim(t)
-            if t.shape[dim] == slots:
-                return t
-            shape = list(t.shape)
-            shape[dim] = slots - t.shape[dim]
-            return torch.cat([t.new_full(shape, fill), t], dim=dim)
-
         # The batch's flags, alike in every row's copy (the generic join requires it).
         compressed = any(layer.compressed for layer in layers)
         all_valid = all(layer.all_valid and layer.slots == slots for layer in layers)
         copies = []
         for layer in layers:
+            at = layer.filler_slot()
+
+            def grown(t: torch.Tensor, fill) -> torch.Tensor:
+                return padded(t, slot_dim(t), slots, fill, at)
+
             twin = copy.copy(layer)
             vars(twin).update(
-                _keys=padded(layer.keys, 0), _values=padded(layer.values, 0), _positions=padded(layer.positions, 0),
-                _valid=padded(layer.valid, False), _extra={n: padded(t, 0) for n, t in layer.extra.items()},
+                _keys=grown(layer.keys, 0), _values=grown(layer.values, 0), _positions=grown(layer.positions, 0),
+                _valid=grown(layer.valid, False), _extra={n: grown(t, 0) for n, t in layer.extra.items()},
                 pending=None, pending_indices=None, unwritten=0, layouts=0, compressed=compressed, all_valid=all_valid)
             copies.append(twin)
         return super().joined(copies)
+
+    def filler_slot(self) -> int:
+        """Where a joined row's filler slots go (`joined`): first, where `keep` puts those of a smaller budget."""
+        return 0
 
     # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -433,8 +433,38 @@ class StoreLayer(KVLayer):
 
     @classmethod
     def joined(cls, layers: list[KVLayer]) -> KVLayer:
-        raise ValueError("sparsekv: layers with a store (CHESS, SentenceKV) cannot be joined: their stores and "
-                         "selections are laid out per row; prefill their rows together.")
+        """The rows of store layers filled once at the prompt (`fill_store`), as a batch prefilled together holds
+        them: each row's store padded at its end to the widest (empty slots, which its state never loads), the
+        working sets as `KVLayer.joined` with fillers at `filler_slot`. A store that records every token
+        (CHESS's) is refused, and so are rows of which some kept their prompt whole (no store) and others not."""
+        if any(layer.records_tokens for layer in layers):
+            raise ValueError("sparsekv: layers whose store records every token (CHESS) cannot be joined; prefill "
+                             "their rows together.")
+        stored = [layer.store_keys is not None for layer in layers]
+        if not any(stored):  # every prompt was short enough to be kept whole: plain layers
+            return super().joined(layers)
+        if not all(stored):
+            raise ValueError(f"sparsekv: the caches {[i for i, s in enumerate(stored) if not s]} (in the order "
+                             "joined) kept their prompts whole (each shorter than the tokens the press attends) and "
+                             "the others did not: a batch prefilled together compresses them all; prefill these "
+                             "rows together with a longer one (`rows_at_once`), or the batch together.")
+        r = max(layer.store_keys.shape[2] for layer in layers)
+        copies = []
+        for layer in layers:
+            twin = copy.copy(layer)
+            # Empty slots at the last position, as `fill_store` gets them from a batch prefilled together.
+            twin.store_positions = padded(layer.store_positions, 1, r, layer.logical_len - 1)
+            twin.store_keys = twin.store_values = None  # joined below, straight into (pinned) memory
+            copies.append(twin)
+        out = super().joined(copies)
+        out.store_keys, out.store_values = (_joined_store([getattr(layer, name) for layer in layers], r)
+                                            for name in ("store_keys", "store_values"))
+        return out
+
+    def filler_slot(self) -> int:
+        """A working set may begin with a region loaded from the store (its state's `loaded` slots, SentenceKV's),
+        whose fillers come last within it: a joined row's go there too."""
+        return getattr(self.state, "loaded", 0)
 
     def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False, state=None):
         self.owed = None
@@ -559,6 +589,21 @@ class StoreLayer(KVLayer):
 def slot_dim(t: torch.Tensor) -> int:
     """The slot dimension of a layer's tensor: (batch, heads, slots[, head_dim]), or (batch, slots) for `valid`."""
     return min(t.dim() - 1, 2)
+
+
+def _joined_store(stores: list[torch.Tensor], slots: int) -> torch.Tensor:
+    """Stores `(rows, kv_heads, R_i, d)` one after the other along the batch, each padded at its end to `slots`
+    with zeros (empty slots, never loaded), written once into one tensor, pinned when they are: a store that
+    loads asynchronously stays so."""
+    first = stores[0]
+    out = torch.empty((sum(t.shape[0] for t in stores), first.shape[1], slots, first.shape[3]), dtype=first.dtype,
+                      device=first.device, pin_memory=first.is_pinned())
+    row = 0
+    for t in stores:
+        out[row:row + t.shape[0], :, :t.shape[2]] = t
+        out[row:row + t.shape[0], :, t.shape[2]:] = 0
+        row += t.shape[0]
+    return out
 
 
 def buffer_of(t: torch.Tensor, slots: int) -> torch.Tensor | None:

@@ -158,9 +158,10 @@ def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     apart, the peak is one group's prefill beside the compressed KV of the rows done (joined layer by layer, each
     row's layer released once joined), so the batch that fits grows with the compression. Continue with the
     whole prompts, e.g. `model.generate(input_ids, attention_mask=attention_mask, cache=cache, ...)`: generate
-    reads the last prompt token as its first step, and decodes the rows together. The rows keep the tokens a batch prefilled together
-    on all but the last token would keep (tested); any generation mode runs on the result (for beams, expand it
-    first: `cache.batch_repeat_interleave(num_beams)`).
+    reads the last prompt token as its first step, and decodes the rows together. The rows keep the tokens a
+    batch prefilled together on all but the last token would keep (tested); any generation mode runs on the
+    result (for beams, expand it first: `cache.batch_repeat_interleave(num_beams)`). SnapKV, ChunkKV,
+    StreamingLLM, H2O and SentenceKV join (SentenceKV's offload stores stay on the host); CHESS refuses.
 
     Args:
         model: a model, with a press installed (`with press(model):`) whose press declares `joins_rows`, or none.

@@ -78,7 +78,8 @@ class Press:
             Otherwise `prompt_tail()` says whether the driver can compress such a prompt at its last piece; when
             it cannot, the generation is refused.
         joins_rows: caches of prompts prefilled apart can be joined into one batch (`SparseCache.join`,
-            `sparsekv.prefill_rows`): every piece of its state is per row, laid out alike in every row's cache.
+            `sparsekv.prefill_rows`): every piece of its state is per row, laid out alike in every row's cache
+            or padded to the widest by its state's `joined` (SentenceKV's stores and sentences).
     """
 
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).

@@ -53,6 +53,19 @@ class RowState:
             yield from _tensors(value)
 
 
+def padded(t: torch.Tensor, dim: int, size: int, fill, at: int | None = None) -> torch.Tensor:
+    """`t` grown to `size` along `dim` with slots of `fill` inserted before index `at` (default: at the end): what
+    rows joined from caches of different widths need, so that each row keeps the layout it would have in a batch
+    prefilled together. `t` itself when it has `size` already."""
+    n = t.shape[dim]
+    if n == size:
+        return t
+    at = n if at is None else at
+    shape = list(t.shape)
+    shape[dim] = size - n
+    return torch.cat([t.narrow(dim, 0, at), t.new_full(shape, fill), t.narrow(dim, at, n - at)], dim=dim)
+
+
 def _map(value, fn, batch: int, where: str):
     if isinstance(value, torch.Tensor):
         if value.dim() > 0 and value.shape[0] == 1 and batch > 1:

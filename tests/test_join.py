@@ -14,7 +14,10 @@ from sparsekv import (
 )
 
 JOINING = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), StreamingLLMPress(ratio=0.3),
-           ChunkPress(ratio=0.3, window_size=8, chunk_size=5)]
+           ChunkPress(ratio=0.3, window_size=8, chunk_size=5),
+           SentencePress(make_tokenizer(), ratio=0.3, n_sinks=4, window_size=8),  # (stores of 72 / 68 / 54 slots)
+           # (stores with empty slots: keep_factor x tau is more than a row has besides its sinks and window)
+           SentencePress(make_tokenizer(), ratio=0.47, n_sinks=4, window_size=8, plan="layer")]
 
 
 def batch(length: int = 120) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +46,7 @@ def together(model, press, ids, mask, **generate):
 
 
 @pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("gemma3", "eager"), ("qwen2", "sdpa")])
-@pytest.mark.parametrize("press", JOINING, ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("press", JOINING, ids=lambda p: type(p).__name__ + getattr(p, "plan", "").replace("step", ""))
 def test_rows_prefilled_apart_generate_what_the_batch_does(arch, impl, press):
     """Same kept prompt tokens per row and head, same budgets, same greedy tokens (evictions while decoding
     included) as the batch prefilled together; Gemma3's sliding layers joined too."""
@@ -55,6 +58,13 @@ def test_rows_prefilled_apart_generate_what_the_batch_does(arch, impl, press):
         assert joined.get_seq_length() == ids.shape[1] - 1
         torch.testing.assert_close(joined.budgets, cache.budgets)
         kept, expected = joined.prompt_kept(), cache.prompt_kept()
+        for mine, theirs in zip(joined.compressed_layers(), cache.compressed_layers()):
+            assert mine.slots == theirs.slots and torch.equal(mine.valid, theirs.valid)
+            # A layer's state (SentenceKV's): its counts and indices laid out as the batch's (sentences,
+            # store slots, the loaded region; a vector of an empty sentence may differ: it is never loaded)
+            for name, value in (vars(theirs.state) if theirs.state is not None else {}).items():
+                if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                    assert _equal(vars(mine.state)[name], value), name
         out = model.generate(ids, attention_mask=mask, cache=joined, max_new_tokens=8, do_sample=False)
         decoded, decoded_expected = joined.prompt_kept(), cache.prompt_kept()
     assert kept.keys() == expected.keys()
@@ -63,6 +73,10 @@ def test_rows_prefilled_apart_generate_what_the_batch_does(arch, impl, press):
     assert torch.equal(out, reference)
     if isinstance(press, (H2OPress, StreamingLLMPress)):  # they evicted prompt tokens while decoding, alike
         assert any(not torch.equal(decoded[i], kept[i]) for i in kept)
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
 
 
 def test_groups_of_rows_and_beam_search():
@@ -131,10 +145,19 @@ def test_the_full_cache_prefilled_apart():
 def test_join_refusals():
     model = make_model("llama")
     ids, mask = batch()
-    for press in (CHESSPress(ratio=0.3, page_size=16), SentencePress(make_tokenizer(), ratio=0.4, n_sinks=4,
-                                                                     window_size=8)):
-        with press(model), pytest.raises(ValueError, match=f"{type(press).__name__}: cannot join caches"):
-            prefill_rows(model, ids, mask)
+    chess = CHESSPress(ratio=0.3, page_size=16)
+    with chess(model), pytest.raises(ValueError, match="CHESSPress: cannot join caches"):
+        prefill_rows(model, ids, mask)
+    with chess(model), torch.no_grad():  # its layers too: a store that records every token is laid out by position
+        parts = [model(ids[i:i + 1, :-1], use_cache=True).cache.compressed_layers()[0] for i in range(2)]
+    with pytest.raises(ValueError, match="whose store records every token"):
+        type(parts[0]).joined(parts)
+    # SentenceKV keeps a prompt whole when it attends every token anyway: a short row alone, not in a batch
+    short = mask.clone()
+    short[1, :100] = 0
+    sentences = SentencePress(make_tokenizer(), ratio=0.85, n_sinks=4, window_size=8)
+    with sentences(model), pytest.raises(ValueError, match=r"caches \[1\] \(in the order joined\) kept their prompts"):
+        prefill_rows(model, ids[:2], short[:2])
     press = SnapKVPress(ratio=0.3, window_size=8)
     with press(model), torch.no_grad():
         with pytest.raises(ValueError, match="rows_at_once: an integer >= 1"):
@@ -154,6 +177,21 @@ def test_join_refusals():
         theirs = model(ids[:1, :-1], use_cache=True).cache
     with pytest.raises(ValueError, match="different presses"):
         SparseCache.join([whole, theirs])
+
+
+def test_sentencekv_prompts_kept_whole_join_as_they_are():
+    """Prompts SentenceKV would attend whole anyway keep no store, alone as in a batch: their rows join as they
+    are, and generate what the batch does."""
+    model = make_model("llama")
+    ids, mask = batch()
+    press = SentencePress(make_tokenizer(), ratio=0.95, n_sinks=4, window_size=8)
+    reference, _ = together(model, press, ids, mask, max_new_tokens=6, do_sample=False)
+    with press(model):
+        joined = prefill_rows(model, ids, mask)
+        layers = joined.compressed_layers()
+        assert layers and all(layer.store_keys is None and layer.slots == ids.shape[1] - 1 for layer in layers)
+        out = model.generate(ids, attention_mask=mask, cache=joined, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, reference)
 
 
 class _Rows(RowState):

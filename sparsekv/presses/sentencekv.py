@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -16,7 +17,7 @@ from ..cache import Forward, KVLayer, SparseCache, StoreLayer
 from ..layers import flat_index, gather_rows, offloaded
 from ..press import check_number
 from ..segment import closes_sentence, sentence_ids
-from ..state import RowState
+from ..state import RowState, padded
 from .snapkv import SnapKVPress
 
 logger = logging.getLogger("sparsekv")
@@ -101,6 +102,29 @@ class SentenceLayerState(RowState):
     step_queries: torch.Tensor | None = None  # (batch, kv_heads, q, head_dim) the last forward's, for `crop`
     before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
 
+    @classmethod
+    def joined(cls, states: list[SentenceLayerState]) -> SentenceLayerState:
+        """Rows prefilled apart, laid out as a batch prefilled together: sentences padded to the most (unused
+        ids: no tokens, never loaded) before each row's empty sentence, which stays last (`_fill_store`); store
+        slots padded to the widest (in the empty sentence, no room: never loaded); the loaded region to the
+        largest (its fillers last, `StoreLayer.filler_slot`)."""
+        if any(state.sentence_keys is None for state in states):  # kept whole: nothing to pad
+            return super().joined(states)
+        s = max(state.sentence_sizes.shape[-1] for state in states)
+        r = max(state.slot_sentence.shape[-1] for state in states)
+        twins = []
+        for state in states:
+            twin, empty = copy.copy(state), state.sentence_sizes.shape[-1] - 1
+            twin.loaded = max(other.loaded for other in states)
+            twin.sentence_keys = padded(state.sentence_keys, 2, s, 0, at=empty)
+            twin.sentence_sizes = padded(state.sentence_sizes, 2, s, 0, at=empty)
+            slot_sentence = state.slot_sentence.masked_fill(state.slot_sentence == empty, s - 1)
+            for name, value, fill in (("slot_sentence", slot_sentence, s - 1), ("slot_room", state.slot_room, 0),
+                                      ("resident", state.resident, False), ("device_slot", state.device_slot, 0)):
+                setattr(twin, name, padded(value, 2, r, fill))
+            twins.append(twin)
+        return super().joined(twins)
+
 
 @dataclass(kw_only=True)
 class SentencePress(SnapKVPress):
@@ -182,7 +206,7 @@ class SentencePress(SnapKVPress):
     sentence_vector: str = "bounds"
     plan: str = "step"
     reads_input_ids: ClassVar[bool] = True
-    joins_rows: ClassVar[bool] = False  # its store and sentences are laid out per prompt (`StoreLayer.joined`)
+    joins_rows: ClassVar[bool] = True  # stores and sentences padded per row (`StoreLayer.joined`, the state's)
     paper_name: ClassVar[str] = "SentenceKV"
     reads_step_queries: ClassVar[bool] = True
 
