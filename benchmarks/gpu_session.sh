@@ -9,7 +9,7 @@
 # then 128k if time is left. Logs go to $OUT (default: gpu-results/); a step short of time is skipped.
 # B1_PRESSES, B8_PRESSES, OPS_PRESSES, PROFILE_PRESSES, APART_PRESSES and CHUNKED_PRESSES, when set, replace the
 # press lists of decode32k_b1, decode32k_b8, ops32k, profile32k, capacity32k_apart and chunked32k; APART_MAX_BATCH
-# the largest batch capacity32k_apart tries (16).
+# the largest batch capacity32k_apart tries (16), APART_EXACT=1 has it bisect past the last power of 2.
 #
 #   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
@@ -69,7 +69,8 @@ run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 3
 # (every batch tried is prefilled row by row: 1 + 2 + ... + 16 rows of 32k a press, about 1.8 s each on an H100;
 # H2O's prefill, 11.5 s a row, would take the whole step alone)
 run capacity32k_apart 300 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
-  --presses "${APART_PRESSES:-snapkv,streamingllm}" --memory-budget 24 --max-batch "${APART_MAX_BATCH:-16}" --rows-apart
+  --presses "${APART_PRESSES:-snapkv,streamingllm}" --memory-budget 24 --max-batch "${APART_MAX_BATCH:-16}" --rows-apart \
+  ${APART_EXACT:+--exact-batch}
 # The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
 run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
   --presses "${CHUNKED_PRESSES:-snapkv,streamingllm}" --new-tokens 4

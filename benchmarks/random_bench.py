@@ -34,8 +34,10 @@ def main(argv=None) -> None:
     add("--repeats", type=int, default=1, help="(default: %(default)s)")
     add("--memory-budget", type=float, metavar="GB", help="instead of timing: the largest batch each fits")
     add("--max-batch", type=int, default=64, help="largest batch --memory-budget tries (default: %(default)s)")
+    add("--exact-batch", action="store_true", help="with --memory-budget: bisect between the last batch that fit "
+        "and the first that did not")
     add("--rows-apart", action="store_true", help="prefill each batch a row at a time and join the caches "
-        "(sparsekv.prefill_rows; not CHESS or SentenceKV)")
+        "(sparsekv.prefill_rows; not CHESS)")
     add("--json", metavar="FILE.json")
     add("--plot", metavar="FILE.png")
     args = parser.parse_args(argv)
@@ -54,7 +56,7 @@ def main(argv=None) -> None:
     try:
         if args.memory_budget is not None:
             rows = run_capacity(model, tokenizer, lengths, presses, [args.ratio], None, args.memory_budget,
-                                args.max_batch, args.max_new_tokens, args.rows_apart)
+                                args.max_batch, args.max_new_tokens, args.rows_apart, args.exact_batch)
             print(format_capacity(rows, args.memory_budget))
             return
         rows = run_bench(model, tokenizer, lengths, presses, [args.ratio], None, args.max_new_tokens, args.repeats,

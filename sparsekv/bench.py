@@ -454,11 +454,13 @@ def model_mb(model) -> float:
 
 
 def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, memory_budget_gb: float = 8.0,
-                 max_batch: int = 64, max_new_tokens: int = 16, rows_apart: bool = False) -> list[dict]:
+                 max_batch: int = 64, max_new_tokens: int = 16, rows_apart: bool = False,
+                 exact: bool = False) -> list[dict]:
     """For the full cache, each press and its oracle at each length: the largest batch (1, 2, 4, ... up to
     `max_batch`) whose measured memory fits `memory_budget_gb`, and its decoding tokens/s. `rows_apart`: every
     configuration's prompts prefilled one row at a time and joined (`prefill_rows`), so that the batch is capped by
-    what decoding holds, not by a batch's prefill.
+    what decoding holds, not by a batch's prefill. `exact`: then bisect between the last batch that fit and the
+    first that did not (about log2(batch) more runs), so that 9 is found where 8 fit and 16 did not.
 
     Memory is the model's weights plus the run's peak above its start: the process's resident set on a CPU,
     `torch.cuda.max_memory_allocated` on a GPU. Each batch size is measured once; the search stops at the first
@@ -478,18 +480,31 @@ def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, 
     weights, budget_mb = model_mb(model), memory_budget_gb * 1024
     rows = []
     for base in tqdm(settings, desc="capacity"):
-        best, batch = None, 1
-        while batch <= max_batch:
+
+        def fits(batch: int) -> dict | None:
+            """The run of `batch` rows: its memory and tokens/s, or None when it exceeds the budget."""
             setting = Setting(base.press, base.length, base.ratio, base.budget, batch)
             ids, mask = batch_inputs(source, setting.row_lengths(), pad)
             run = measure(model, ids, setting.make_press(tokenizer), max_new_tokens, pad, mask, rows_apart)
             memory = weights + (run["cuda_peak_mb"] if run["cuda_peak_mb"] is not None else run["peak_mb"])
             if memory > budget_mb:
-                break
-            best = {"memory_mb": memory, "tok_s": batch * 1000 / statistics.median(run["steps_ms"])}
-            batch *= 2
+                return None
+            return {"batch": batch, "memory_mb": memory, "tok_s": batch * 1000 / statistics.median(run["steps_ms"])}
+
+        best, batch = None, 1
+        while batch <= max_batch and (run := fits(batch)) is not None:
+            best, batch = run, batch * 2
+        capped = best is not None and batch > max_batch
+        if exact and best is not None and not capped:  # between what fit and what did not
+            low, high = best["batch"], batch
+            while high - low > 1:
+                middle = (low + high) // 2
+                if (run := fits(middle)) is not None:
+                    best, low = run, middle
+                else:
+                    high = middle
         rows.append({"config": base.label(lengths), "length": base.length, "kept": base.kept,
-                     "batch": batch // 2 if best else 0, "capped": best is not None and batch > max_batch,
+                     "batch": best["batch"] if best else 0, "capped": capped,
                      "memory_mb": best["memory_mb"] if best else None, "tok_s": best["tok_s"] if best else None})
     return rows
 
@@ -529,10 +544,11 @@ def add_arguments(parser) -> None:
         "(weights + measured peak), and its tokens/s")
     add("--max-batch", type=_int_at_least(1), default=64, help="largest batch tried by --memory-budget "
         "(default: %(default)s)")
+    add("--exact-batch", action="store_true", help="with --memory-budget: bisect between the last batch that fit "
+        "and the first that did not (about log2(batch) more runs), instead of reporting the last power of 2")
     add("--rows-apart", action="store_true",
         help="prefill each batch one row at a time and join the caches before decoding them together "
-        "(sparsekv.prefill_rows): the prefill's peak is one row's; presses that cannot join (CHESS, SentenceKV) "
-        "are refused")
+        "(sparsekv.prefill_rows): the prefill's peak is one row's; presses that cannot join (CHESS) are refused")
     add("--ragged", action="store_true",
         help="rows of different lengths in a batch: from --lengths down to half of it, left-padded")
     add("--repeats", type=_int_at_least(1), default=3, help="timed runs per configuration (default: %(default)s)")
@@ -558,12 +574,15 @@ def run_command(args) -> int:
         if args.memory_budget is not None and (args.memory_budget <= 0 or args.batch_sizes != [1] or args.ragged):
             raise ValueError("--memory-budget: a positive number of GB, without --batch-sizes or --ragged (it "
                              "searches the batch size itself).")
+        if args.exact_batch and args.memory_budget is None:
+            raise ValueError("--exact-batch: only with --memory-budget (it refines the batch that search finds).")
         model, tokenizer = load_model(args.model, dtype=dtype, attn_implementation=args.attn_implementation,
                                       device_map=device)
         if args.memory_budget is not None:
             print(f"{args.model}, {device}, {torch.get_num_threads()} threads, {args.max_new_tokens} new tokens")
             rows = run_capacity(model, tokenizer, args.lengths, args.presses, ratios, args.budgets,
-                                args.memory_budget, args.max_batch, args.max_new_tokens, args.rows_apart)
+                                args.memory_budget, args.max_batch, args.max_new_tokens, args.rows_apart,
+                                args.exact_batch)
             print(format_capacity(rows, args.memory_budget))
             return 0
         title = f"{args.model}, {device}, {torch.get_num_threads()} threads, median of {args.repeats}"

@@ -201,6 +201,15 @@ def test_capacity_finds_the_largest_batch_within_the_budget(model, tokenizer, mo
     assert "largest batch in 0.83 GB" in bench.format_capacity(rows, 0.83) and "8+" in bench.format_capacity(rows, 1)
     with pytest.raises(ValueError, match="--memory-budget: must be a positive number"):
         bench.run_capacity(model, tokenizer, [200], ["streamingllm"], memory_budget_gb=0)
+    # `exact`: bisected between the power of 2 that fit and the one that did not (1 MB a token held: 6 x 201 fit
+    # in 1,250 MB, 7 x 201 do not; doubling alone stops at 4)
+    rows = {exact: bench.run_capacity(model, tokenizer, [200], ["streamingllm"], ratios=[0.5], max_batch=16,
+                                      memory_budget_gb=1250 / 1024, max_new_tokens=2, exact=exact)
+            for exact in (False, True)}
+    full, press = rows[True][0], rows[True][-1]
+    assert rows[False][0]["batch"] == 4 and full["batch"] == 6 and full["memory_mb"] == 6 * 201
+    per_row = press["memory_mb"] / press["batch"]
+    assert rows[False][-1]["batch"] == 8 and press["batch"] == int(1250 // per_row) > 8
 
 
 def test_rows_apart_hold_what_the_batch_holds(model, tokenizer, monkeypatch):
@@ -276,6 +285,7 @@ def test_command_line(model_dir, tmp_path, capsys):
         (["--ratios", "0"], "must be in (0, 1]"),
         (["--ratios", "0.5", "--budgets", "10"], "not allowed with argument"),
         (["--memory-budget", "1", "--batch-sizes", "1,2"], "--memory-budget: a positive number of GB, without"),
+        (["--exact-batch"], "--exact-batch: only with --memory-budget"),
         (["--presses", "chess", "--rows-apart"], "--rows-apart: chess r=0.1 cannot join"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     ]:
