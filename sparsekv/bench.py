@@ -460,7 +460,8 @@ def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, 
     `max_batch`) whose measured memory fits `memory_budget_gb`, and its decoding tokens/s. `rows_apart`: every
     configuration's prompts prefilled one row at a time and joined (`prefill_rows`), so that the batch is capped by
     what decoding holds, not by a batch's prefill. `exact`: then bisect between the last batch that fit and the
-    first that did not (about log2(batch) more runs), so that 9 is found where 8 fit and 16 did not.
+    first that did not, or `max_batch` (about log2(batch) more runs), so that 9 is found where 8 fit and 16 did
+    not.
 
     Memory is the model's weights plus the run's peak above its start: the process's resident set on a CPU,
     `torch.cuda.max_memory_allocated` on a GPU. Each batch size is measured once; the search stops at the first
@@ -495,14 +496,15 @@ def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, 
         while batch <= max_batch and (run := fits(batch)) is not None:
             best, batch = run, batch * 2
         capped = best is not None and batch > max_batch
-        if exact and best is not None and not capped:  # between what fit and what did not
-            low, high = best["batch"], batch
+        if exact and best is not None:  # between what fit and what did not (or `max_batch`, not tried yet)
+            low, high = best["batch"], max_batch + 1 if capped else batch
             while high - low > 1:
                 middle = (low + high) // 2
                 if (run := fits(middle)) is not None:
                     best, low = run, middle
                 else:
                     high = middle
+            capped = best["batch"] == max_batch
         rows.append({"config": base.label(lengths), "length": base.length, "kept": base.kept,
                      "batch": best["batch"] if best else 0, "capped": capped,
                      "memory_mb": best["memory_mb"] if best else None, "tok_s": best["tok_s"] if best else None})

@@ -209,7 +209,11 @@ def test_capacity_finds_the_largest_batch_within_the_budget(model, tokenizer, mo
     full, press = rows[True][0], rows[True][-1]
     assert rows[False][0]["batch"] == 4 and full["batch"] == 6 and full["memory_mb"] == 6 * 201
     per_row = press["memory_mb"] / press["batch"]
-    assert rows[False][-1]["batch"] == 8 and press["batch"] == int(1250 // per_row) > 8
+    assert rows[False][-1]["batch"] == 8 and press["batch"] == int(1250 // per_row) > 8 and not press["capped"]
+    # `max_batch` (10) between two powers of 2 is tried too: it fits (12 would), and the search stops there
+    capped = bench.run_capacity(model, tokenizer, [200], ["streamingllm"], ratios=[0.5], max_batch=10,
+                                memory_budget_gb=1250 / 1024, max_new_tokens=2, exact=True)[-1]
+    assert capped["batch"] == 10 and capped["capped"]
 
 
 def test_rows_apart_hold_what_the_batch_holds(model, tokenizer, monkeypatch):
