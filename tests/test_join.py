@@ -79,12 +79,12 @@ def _equal(a, b) -> bool:
     return torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
 
 
-def test_groups_of_rows_and_beam_search():
+@pytest.mark.parametrize("press", [H2OPress(ratio=0.3), JOINING[4]], ids=lambda p: type(p).__name__)
+def test_groups_of_rows_and_beam_search(press):
     """Rows prefilled two at a time join as well, and beam search (which reorders the joined rows) gives what it
     gives on the batch prefilled together. A cache given to generate is not expanded for its beams: say so."""
     model = make_model("llama")
     ids, mask = batch()
-    press = H2OPress(ratio=0.3)
     settings = dict(max_new_tokens=6, do_sample=False, num_beams=2)
     with press(model), torch.no_grad():
         cache = model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions(mask[:, :-1]),
