@@ -1,7 +1,9 @@
-"""What a measurement ran on, recorded beside its results: package versions, the device, threads, the commit."""
+"""What a measurement ran on, recorded beside its results: package versions, the device, threads, the commit and
+a digest of sparsekv's source."""
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import subprocess
 from functools import lru_cache
@@ -12,8 +14,9 @@ import torch
 
 
 def environment(device: torch.device | str | None = None) -> dict:
-    """Versions of sparsekv, transformers and torch, Python, the device's name, torch's CPU threads, and the git
-    commit of the sparsekv checkout when it is one (None otherwise)."""
+    """Versions of sparsekv, transformers and torch, Python, the device's name, torch's CPU threads, the git
+    commit of the sparsekv checkout when it is one (None otherwise), and a digest of sparsekv's source files
+    (`source_digest`: the code that ran, also where a copied checkout's git metadata is stale)."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -28,6 +31,7 @@ def environment(device: torch.device | str | None = None) -> dict:
         "device_name": name,
         "threads": torch.get_num_threads(),
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
     }
 
 
@@ -50,3 +54,14 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("+dirty" if dirty else "") if commit else None
+
+
+@lru_cache(maxsize=None)
+def source_digest(root: Path | None = None) -> str:
+    """The first 12 hex digits of a sha256 over the `.py` files under `root` (default: the sparsekv package), each
+    by its relative path and contents, in path order: equal digests, equal code."""
+    root = Path(__file__).resolve().parent if root is None else Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]

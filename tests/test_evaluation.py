@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 import sparsekv
 from sparsekv.cli import main
+from sparsekv.environment import source_digest
 from sparsekv.evaluation import (
     TASKS,
     EvalConfig,
@@ -322,6 +323,21 @@ def test_metrics_record_the_identity_and_the_environment(tmp_path, model, tokeni
     assert env["sparsekv"] == sparsekv.__version__ and env["torch"] == torch.__version__
     assert env["transformers"] == transformers.__version__ and env["threads"] == torch.get_num_threads()
     assert "git_commit" in env and env["device"] == "cpu"
+    assert env["source_digest"] == source_digest() and len(env["source_digest"]) == 12
+
+
+def test_the_source_digest_names_the_code(tmp_path):
+    """Equal files, equal digest, wherever they are; one byte or one name changed, another digest."""
+    for root in (tmp_path / "a", tmp_path / "b"):
+        (root / "presses").mkdir(parents=True)
+        (root / "core.py").write_text("x = 1\n")
+        (root / "presses" / "p.py").write_text("y = 2\n")
+        (root / "notes.txt").write_text(str(root))  # not source
+    a, b = source_digest(tmp_path / "a"), source_digest(tmp_path / "b")
+    (tmp_path / "b" / "presses" / "p.py").write_text("y = 3\n")
+    (tmp_path / "a" / "core.py").rename(tmp_path / "a" / "main.py")
+    changed, renamed = (source_digest.__wrapped__(tmp_path / name) for name in "ba")  # (uncached)
+    assert a == b and changed != b and renamed != a and changed != renamed
 
 
 class FakeState:
