@@ -46,6 +46,8 @@ def main(argv=None) -> None:
         batches = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError as err:
         parser.error(str(err))
+    if args.exact_batch and args.memory_budget is None:  # as `sparsekv bench`: refused before the model is built
+        parser.error("--exact-batch: only with --memory-budget (it refines the batch that search finds).")
     device, dtype = model_placement(args)
     model, tokenizer, name = load_from_arguments(args, device, dtype)
     env = environment(model.device)

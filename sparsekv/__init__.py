@@ -9,8 +9,8 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .cache import CacheStats, Forward, KVLayer, SparseCache, StoreLayer
-from .pipeline import SparseKVPipeline
-from .prefill import prefill_rows  # registers pipeline("sparsekv-text-generation")
+from .pipeline import SparseKVPipeline  # registers pipeline("sparsekv-text-generation")
+from .prefill import prefill_rows
 from .press import Press, ScorerPress
 from .presses import (
     CHESSPress,

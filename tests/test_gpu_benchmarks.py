@@ -99,6 +99,9 @@ def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
     random_bench.main([*SMALL, "--tokenizer", tokenizer_dir, "--lengths", "600", "--max-new-tokens", "3",
                        "--presses", "h2o", "--memory-budget", "64", "--max-batch", "2", "--rows-apart"])
     assert "2+" in capsys.readouterr().out  # (gpu_session.sh's capacity32k_apart: every configuration fits 2)
+    with pytest.raises(SystemExit):  # refused as `sparsekv bench` refuses it
+        random_bench.main([*SMALL, "--tokenizer", tokenizer_dir, "--exact-batch"])
+    assert "--exact-batch: only with --memory-budget" in capsys.readouterr().err
 
 
 def test_chunked_prefill_on_a_random_model(tokenizer_dir, capsys):
