@@ -108,6 +108,7 @@ def main(argv=None):
     model, tokenizer = load_model(args.model)
     budget = {"ratio": args.ratio} if args.ratio is not None else {"preset": args.preset}
     budget["pooling"], budget["page_size"], size = args.pooling, args.page_size, args.page_size
+    budget["page_stride"] = size  # pages one after the other: a page's rank is the page's, not a block's
     variants = VARIANTS if args.variants == "all" else VARIANTS[:1]
     rows = []
     points = [(float(d), seed) for d in args.depths.split(",") for seed in range(args.samples)]

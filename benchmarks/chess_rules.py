@@ -18,6 +18,8 @@ pages, then summed, so that every layer (head) votes alike instead of the layers
 `--tokens` scores a page by its best token: the largest product of one of its tokens' centred keys before RoPE with
 the anchor (eq. 4 is their mean, the bound their upper bound), with max pooling; and that score plus eq. 4's, each
 standardised over the row's candidate pages, or each page's ranks by the two summed.
+`--page-stride N` adds overlapping pages (`CHESSPress(page_stride=N)`: a page of `--page-size` tokens starts every N
+tokens, and attention reads the blocks of N tokens of the selected ones; sparsekv's, built into the press).
 `--answers` generates instead, greedily as `sparsekv eval` does on the same prompts, with the default CHESS and
 with CHESS selecting by the means + bounds rule (or, with `--tokens`, the best token) at every selection
 (`TracedRule`), and scores the answers.
@@ -25,6 +27,7 @@ with CHESS selecting by the means + bounds rule (or, with `--tokens`, the best t
     PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --ratio 0.1 --samples 20
     PYTHONPATH=. python benchmarks/chess_rules.py --model smollm2-135m --task prose_code --page-size 16 --bounds
     PYTHONPATH=. python benchmarks/chess_rules.py --model qwen2.5-0.5b --task prose_code --page-size 16 --answers
+    PYTHONPATH=. python benchmarks/chess_rules.py --model smollm2-135m --task prose_code --page-size 16 --page-stride 8
 """
 
 from __future__ import annotations
@@ -49,27 +52,38 @@ from sparsekv.table import format_table
 
 
 def rules(ratio: float, page_size: int) -> dict[str, CHESSPress]:
-    """The rules compared, all on pages of `page_size` tokens (the page vectors of one prefill)."""
+    """The rules compared, all on pages of `page_size` tokens one after the other (the page vectors of one
+    prefill)."""
+    pages = {"page_size": page_size, "page_stride": page_size}
     return {
-        "mean pooling, ratio split evenly (eq. 2)": CHESSPress(ratio=ratio, page_size=page_size, pooling="mean"),
-        "max pooling, ratio split evenly": CHESSPress(ratio=ratio, page_size=page_size, pooling="max"),
-        "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio), page_size=page_size),
-        "pages only, page vectors not centred": CHESSPress(ratios=(1.0, 1.0, ratio), page_size=page_size,
-                                                           centre=False),
+        "mean pooling, ratio split evenly (eq. 2)": CHESSPress(ratio=ratio, pooling="mean", **pages),
+        "max pooling, ratio split evenly": CHESSPress(ratio=ratio, pooling="max", **pages),
+        "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio), **pages),
+        "pages only, page vectors not centred": CHESSPress(ratios=(1.0, 1.0, ratio), centre=False, **pages),
     }
 
 
-def centred_pages(model, cache, press: CHESSPress, n: int):
+def regrouped(sums: torch.Tensor, stride: int, press: CHESSPress) -> torch.Tensor:
+    """Page sums `(batch, blocks, D)` kept per `stride` tokens, summed into `press`'s blocks (a multiple)."""
+    factor = press.page_stride // stride
+    b, n, d = sums.shape
+    sums = torch.nn.functional.pad(sums, (0, 0, 0, -n % factor))
+    return sums.view(b, -1, factor, d).sum(2)
+
+
+def centred_pages(model, cache, press: CHESSPress, n: int, sums: torch.Tensor | None = None):
     """The prompt's keys before RoPE, centred as `page_vectors` centres page vectors, cut into pages
     `(pages, page_size, D)` (NaN past the prompt's last token), with the anchor `(D,)` and the candidate pages
-    `(1, pages)` (one row, `n` prompt tokens; its keys come from the cache's store)."""
+    `(1, pages)` (one row, `n` prompt tokens; its keys come from the cache's store; `sums`: the page sums in the
+    press's blocks, when the cache's are not)."""
     device = cache.layers[cache.state.columns[0]].store_keys.device
     cos, sin = model.model.rotary_emb(torch.zeros(1, n, 1, device=device), torch.arange(n, device=device)[None])
     keys = torch.cat([rotate(cache.layers[i].store_keys[:, :, :n].float(), (cos, sin), inverse=True)
                       .permute(0, 2, 1, 3).flatten(2) for i in cache.state.columns], dim=-1)[0]  # (n, D)
     lengths = torch.tensor([n], device=device)
-    _, anchor, candidate = press.page_vectors(cache.state.page_sums, lengths)
-    plain, _, _ = dataclasses.replace(press, centre=False).page_vectors(cache.state.page_sums, lengths)
+    sums = cache.state.page_sums if sums is None else sums
+    _, anchor, candidate = press.page_vectors(sums, lengths)
+    plain, _, _ = dataclasses.replace(press, centre=False).page_vectors(sums, lengths)
     keys = keys - masked_mean(plain, candidate, dim=1)[0]  # the centre `page_vectors` subtracted
     n_pages = plain.shape[1]
     pad = n_pages * press.page_size - n
@@ -77,20 +91,20 @@ def centred_pages(model, cache, press: CHESSPress, n: int):
     return pages, anchor[0], candidate
 
 
-def bound_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def bound_scores(model, cache, press: CHESSPress, n: int, sums=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each page's bound `(1, pages)` against the anchor, `sum_i max(a_i max_i, a_i min_i)` over the channels of
     its tokens' centred keys before RoPE (`centred_pages`), and the candidate pages `(1, pages)`."""
-    pages, anchor, candidate = centred_pages(model, cache, press, n)
+    pages, anchor, candidate = centred_pages(model, cache, press, n, sums)
     high = pages.nan_to_num(float("-inf")).amax(1)
     low = pages.nan_to_num(float("inf")).amin(1)
     return (high @ anchor.clamp(min=0) + low @ anchor.clamp(max=0))[None], candidate
 
 
-def token_scores(model, cache, press: CHESSPress, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_scores(model, cache, press: CHESSPress, n: int, sums=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each page's best token `(1, pages)`: the largest product of one of its tokens' centred keys before RoPE
     (`centred_pages`) with the anchor (the bound is this score's upper bound, eq. 4 its mean), and the candidate
     pages `(1, pages)`."""
-    pages, anchor, candidate = centred_pages(model, cache, press, n)
+    pages, anchor, candidate = centred_pages(model, cache, press, n, sums)
     return (pages @ anchor).nan_to_num(float("-inf")).amax(1)[None], candidate
 
 
@@ -122,12 +136,13 @@ def answers(model, tokenizer, args) -> None:
     """Greedy answers of the default CHESS and of the traced rules (`TracedRule`: `--bounds`, `--tokens`; the
     bounds rule when neither is given) on the swept prompts, scored as `sparsekv eval` scores them."""
     task = TASKS[args.task]
-    presses = {"page means (the default)": CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")}
+    pages = {"page_size": args.page_size, "page_stride": args.page_size, "pooling": "max"}  # one after the other
+    presses = {"page means (the default)": CHESSPress(ratio=args.ratio, **pages)}
     if args.bounds or not args.tokens:
         presses["page means + page bounds, standardised"] = TracedRule(
-            ratio=args.ratio, page_size=args.page_size, pooling="max", model=model, rule="bounds")
+            ratio=args.ratio, **pages, model=model, rule="bounds")
     if args.tokens:
-        presses["page's best token"] = TracedRule(ratio=args.ratio, page_size=args.page_size, pooling="max",
+        presses["page's best token"] = TracedRule(ratio=args.ratio, **pages,
                                                   model=model, rule="tokens")
     scores = {name: [] for name in presses}
     replies = {name: [] for name in presses}
@@ -218,6 +233,8 @@ def main(argv=None):
     parser.add_argument("--tokens", action="store_true", help="add the best-token rules (see above)")
     parser.add_argument("--per-layer", action="store_true", help="add the per-layer and per-head standardised "
                         "rules (see above)")
+    parser.add_argument("--page-stride", type=int, default=None, help="add overlapping pages starting every N "
+                        "tokens, max pooling (see above)")
     parser.add_argument("--answers", action="store_true", help="instead: the answers of CHESS (the default) and "
                         "of CHESS selecting by the --bounds or --tokens rule (see above), generated greedily")
     parser.add_argument("--verbose", action="store_true", help="with --answers: every reply, against its value")
@@ -226,70 +243,80 @@ def main(argv=None):
     if args.answers:
         return answers(model, tokenizer, args)
     presses = rules(args.ratio, args.page_size)
+    pages = {"page_size": args.page_size, "page_stride": args.page_size, "pooling": "max"}  # one after the other
     query_rule = f"anchor: the last {QUERY_WINDOW} prompt queries (before RoPE), max pooling"
     if args.queries:
-        presses[query_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
+        presses[query_rule] = CHESSPress(ratio=args.ratio, **pages)
     bound_rule = "page bounds (Quest), max pooling, ratio split evenly"
     both_rule = "page means + page bounds, standardised, max pooling"
     layer_rules = {"each layer's share standardised, max pooling": "layer",
                    "each layer and KV head's share standardised, max pooling": "head"}
     if args.per_layer:
         for name in layer_rules:
-            presses[name] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
+            presses[name] = CHESSPress(ratio=args.ratio, **pages)
     token_rule = "page's best token, max pooling"
     mixed_rule = "page means + page's best token, standardised, max pooling"
     ranked_rule = "page means + page's best token, ranks summed, max pooling"
     if args.tokens:
-        presses[token_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
+        presses[token_rule] = CHESSPress(ratio=args.ratio, **pages)
         presses[mixed_rule] = presses[ranked_rule] = presses[token_rule]
     if args.bounds:
-        presses[bound_rule] = CHESSPress(ratio=args.ratio, page_size=args.page_size, pooling="max")
+        presses[bound_rule] = CHESSPress(ratio=args.ratio, **pages)
         presses[both_rule] = presses[bound_rule]
+    if args.page_stride:
+        presses[f"overlapping pages (page_stride={args.page_stride}), max pooling"] = CHESSPress(
+            ratio=args.ratio, page_size=args.page_size, page_stride=args.page_stride, pooling="max")
     kept = {name: 0 for name in presses}
     pages = {name: [] for name in presses}
+    tokens = {name: [] for name in presses}
     for _, _, ids, (first, end) in tqdm(swept_samples(tokenizer, args.task, args.length, args.samples),
                                         total=args.samples, desc="samples"):
-        first_press = next(iter(presses.values()))
+        first_press = min(presses.values(), key=lambda press: press.page_stride)  # the finest blocks serve all
         with first_press(model), captured_queries(model) as queries:
             out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
         lengths = torch.tensor([ids.shape[1]])
         for name, press in presses.items():
+            sums = regrouped(out.cache.state.page_sums, first_press.page_stride, press)
             if name == query_rule:
-                vectors, _, candidate = press.page_vectors(out.cache.state.page_sums, lengths)
+                vectors, _, candidate = press.page_vectors(sums, lengths)
                 anchor = query_anchor(model, queries, out.cache)
                 _, _, selected = press.select_by((vectors @ anchor[:, :, None])[..., 0], candidate)
             elif name in layer_rules:
-                vectors, anchor, candidate = press.page_vectors(out.cache.state.page_sums, lengths)
+                vectors, anchor, candidate = press.page_vectors(sums, lengths)
                 blocks = len(out.cache.state.columns) * (model.config.num_key_value_heads
                                                          if layer_rules[name] == "head" else 1)
                 _, _, selected = press.select_by(shares_standardised(vectors, anchor, candidate, blocks), candidate)
             elif name == bound_rule:
-                _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1]))
+                _, _, selected = press.select_by(*bound_scores(model, out.cache, press, ids.shape[1], sums))
             elif name == token_rule:
-                _, _, selected = press.select_by(*token_scores(model, out.cache, press, ids.shape[1]))
+                _, _, selected = press.select_by(*token_scores(model, out.cache, press, ids.shape[1], sums))
             elif name in (mixed_rule, ranked_rule):
-                best, candidate = token_scores(model, out.cache, press, ids.shape[1])
-                vectors, anchor, _ = press.page_vectors(out.cache.state.page_sums, lengths)
+                best, candidate = token_scores(model, out.cache, press, ids.shape[1], sums)
+                vectors, anchor, _ = press.page_vectors(sums, lengths)
                 mean = (vectors @ anchor[:, :, None])[..., 0]
                 combine = standardised if name == mixed_rule else ranks
                 _, _, selected = press.select_by(combine(mean, candidate) + combine(best, candidate), candidate)
             elif name == both_rule:
-                bound, candidate = bound_scores(model, out.cache, press, ids.shape[1])
-                vectors, anchor, _ = press.page_vectors(out.cache.state.page_sums, lengths)
+                bound, candidate = bound_scores(model, out.cache, press, ids.shape[1], sums)
+                vectors, anchor, _ = press.page_vectors(sums, lengths)
                 mean = (vectors @ anchor[:, :, None])[..., 0]
                 _, _, selected = press.select_by(standardised(mean, candidate) + standardised(bound, candidate),
                                                  candidate)
             else:
-                _, _, selected = press.select(out.cache.state.page_sums, lengths)
-            always, _ = press.page_roles(lengths, selected.shape[1])
-            attended = selected[0] | always[0]
-            kept[name] += bool(attended[first // press.page_size: (end - 1) // press.page_size + 1].all())
+                _, _, selected = press.select(sums, lengths)
+            blocks = press.blocks_of(selected)
+            always, _ = press.block_roles(lengths, blocks.shape[1])
+            attended = blocks[0] | always[0]
+            kept[name] += bool(attended[first // press.page_stride: (end - 1) // press.page_stride + 1].all())
             pages[name].append(int(selected[0].sum()))
+            tokens[name].append(min(int(attended.sum()) * press.page_stride, ids.shape[1]))
     rows = [{"rule": name, "needles kept": f"{kept[name]} / {args.samples}",
-             "pages selected": sum(pages[name]) / len(pages[name])} for name in presses]
+             "pages selected": sum(pages[name]) / len(pages[name]),
+             "tokens attended": sum(tokens[name]) / len(tokens[name])} for name in presses]
     print(f"{args.model}, {args.task}, {args.length} tokens, ratio {args.ratio}, {args.samples} samples")
     print(format_table(rows, [("rule", "rule", ""), ("needles kept", "needles kept", ""),
-                              ("pages selected (mean)", "pages selected", ".1f")]))
+                              ("pages selected (mean)", "pages selected", ".1f"),
+                              ("prompt tokens attended (mean)", "tokens attended", ".0f")]))
 
 
 if __name__ == "__main__":

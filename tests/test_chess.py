@@ -13,7 +13,7 @@ B = 8  # page size of the tests
 
 
 def chess(**kw):
-    return CHESSPress(**{"page_size": B, "chunk_pages": 2, "grid_chunks": 2, **kw})
+    return CHESSPress(**{"page_size": B, "page_stride": B, "chunk_pages": 2, "grid_chunks": 2, **kw})
 
 
 def chess_layers(cache):
@@ -73,13 +73,13 @@ def test_page_vectors_equal_a_recomputation_after_many_steps(pre_rope, schedule)
 
 
 def test_hierarchy_masks_obey_parents_and_fractions_match_the_ratios():
-    press = CHESSPress(ratios=(0.5, 0.4, 0.3), page_size=4, chunk_pages=3, grid_chunks=4, sink_pages=1,
+    press = CHESSPress(ratios=(0.5, 0.4, 0.3), page_size=4, page_stride=4, chunk_pages=3, grid_chunks=4, sink_pages=1,
                        window_pages=2)
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([4 * 96, 4 * 96 - 2])  # 96 pages; the second row's last one partial
     sums = torch.randn(2, 100, 16, generator=g) * 4
     grids, chunks, pages = press.select(sums, lengths)
-    _, candidate = press.page_roles(lengths, 96)
+    _, candidate = press.block_roles(lengths, 96)
     assert not (pages & ~candidate).any()  # sinks, window and partial pages are never candidates
     chunk_of_page = torch.arange(96) // 3
     assert not (pages & ~chunks[:, chunk_of_page]).any()  # a page only in a kept chunk
@@ -96,7 +96,7 @@ def test_hierarchy_masks_obey_parents_and_fractions_match_the_ratios():
 
 def test_the_selection_follows_the_anchor():
     """Pages whose vector is the anchor's direction win at every level."""
-    press = CHESSPress(preset="aggressive", page_size=4, chunk_pages=2, grid_chunks=2)
+    press = CHESSPress(preset="aggressive", page_size=4, page_stride=4, chunk_pages=2, grid_chunks=2)
     lengths = torch.tensor([4 * 40])
     sums = torch.randn(1, 40, 8, generator=torch.Generator().manual_seed(1)) * 0.1
     sums[0, 38:40] = torch.tensor([4.0] + [0.0] * 7)  # the window's pages point along the first axis
@@ -107,7 +107,8 @@ def test_the_selection_follows_the_anchor():
 
 def test_mean_pooled_scores_are_eq_4_on_eq_2_vectors():
     """A chunk's (grid's) score is the dot product of the anchor with the mean vector of its candidate children."""
-    press = CHESSPress(ratio=0.3, page_size=4, chunk_pages=3, grid_chunks=2, sink_pages=1, window_pages=2,
+    press = CHESSPress(ratio=0.3, page_size=4, page_stride=4, chunk_pages=3, grid_chunks=2, sink_pages=1,
+                       window_pages=2,
                        pooling="mean")
     lengths = torch.tensor([4 * 30 - 1])
     sums = torch.randn(1, 30, 8, generator=torch.Generator().manual_seed(2))
@@ -131,9 +132,97 @@ def test_max_pooling_keeps_a_lone_relevant_page_that_the_mean_drowns():
     sums[0, 16:32, 0] = -8.0  # a grid pointing away from it ...
     sums[0, 21, 0] = 12.0  # ... but for one page far along it
     for pooling, kept in (("mean", False), ("max", True)):
-        press = CHESSPress(ratios=(0.5, 0.5, 0.5), page_size=4, chunk_pages=4, grid_chunks=4, pooling=pooling)
+        press = CHESSPress(ratios=(0.5, 0.5, 0.5), page_size=4, page_stride=4, chunk_pages=4, grid_chunks=4,
+                           pooling=pooling)
         _, _, pages = press.select(sums, lengths)
         assert bool(pages[0, 21]) is kept, pooling
+
+
+def test_overlapping_page_vectors_are_the_means_of_their_tokens():
+    """With `page_stride` < `page_size`, page k's vector is the mean key of the `page_size` tokens from
+    `k * page_stride`; candidates are the pages whose tokens are all candidates; the anchor is the window's mean."""
+    press = CHESSPress(ratio=0.3, page_size=8, page_stride=4, sink_pages=1, window_pages=2, centre=False)
+    n, d = 4 * 25 + 2, 6  # 25 complete blocks of 4 tokens, then a partial one
+    keys = torch.randn(1, n, d, generator=torch.Generator().manual_seed(4))
+    sums = torch.zeros(1, 30, d).index_add_(1, torch.arange(n) // 4, keys)
+    vectors, anchor, candidate = press.page_vectors(sums, torch.tensor([n]))
+    assert vectors.shape[1] == candidate.shape[1] == 26  # a page per block
+    for k in range(24):
+        torch.testing.assert_close(vectors[0, k], keys[0, 4 * k: 4 * k + 8].mean(0))
+    # On the grid of 8-token pages: the sink is blocks 0-1; the window the last two whole pages, blocks 20-23, and
+    # the partial page, blocks 24-25 (10 tokens)
+    assert candidate[0].nonzero().flatten().tolist() == list(range(2, 19))  # page 19 reaches block 20
+    window_means = torch.stack([keys[0, 80:88].mean(0), keys[0, 88:96].mean(0), keys[0, 96:].mean(0)])
+    torch.testing.assert_close(anchor[0], window_means.mean(0))
+    centred = CHESSPress(ratio=0.3, page_size=8, page_stride=4)
+    v, a, c = centred.page_vectors(sums, torch.tensor([n]))
+    torch.testing.assert_close(v, vectors - vectors[0, c[0]].mean(0))
+    torch.testing.assert_close(a, anchor - vectors[0, c[0]].mean(0))
+
+
+def test_overlapping_pages_keep_a_span_that_a_page_boundary_cuts():
+    """Two blocks along the anchor, either side of a boundary of the non-overlapping pages: selecting one page, the
+    pages at a stride of half their size attend both blocks, the paper's pages one of them."""
+    lengths = torch.tensor([4 * 40])
+    sums = torch.randn(1, 44, 8, generator=torch.Generator().manual_seed(5)) * 0.1
+    sums[0, 36:40, 0] = 4.0  # the window's blocks (the anchor) point along the first axis
+    sums[0, 13:15, 0] = 12.0  # blocks 13 and 14: the end of 8-token page 6 and the start of page 7
+    one = {"ratios": (1.0, 1.0, 0.03), "sink_pages": 1, "window_pages": 2}
+    half = CHESSPress(page_size=8, page_stride=4, **one)
+    blocks = half.blocks_of(half.select(sums, lengths)[-1])
+    assert blocks[0].nonzero().flatten().tolist() == [13, 14]  # the page from block 13
+    whole = CHESSPress(page_size=8, page_stride=8, **one)
+    sums8 = sums.view(1, 22, 2, 8).sum(2)
+    pages = whole.select(sums8, lengths)[-1][0].nonzero().flatten().tolist()
+    assert len(pages) == 1 and pages[0] in (6, 7)  # one of the two halves: the span is cut
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.1, 0.3, 0.5])
+def test_overlapping_pages_attend_the_ratio_of_the_candidate_blocks(ratio):
+    """Algorithm 1's last level takes the best pages while their blocks fit the budget: the three fractions of the
+    candidates' blocks; pages only in kept chunks; with every ratio 1, every candidate block."""
+    lengths = torch.tensor([4 * 200, 4 * 170 - 3])
+    sums = torch.randn(2, 210, 16, generator=torch.Generator().manual_seed(6))
+    press = CHESSPress(ratio=ratio, page_size=16, page_stride=4, chunk_pages=4, grid_chunks=4)
+    _, chunks, pages = press.select(sums, lengths)
+    blocks = press.blocks_of(pages)
+    _, candidate = press.page_vectors(sums, lengths)[1:]
+    n_blocks = press.blocks_of(candidate).sum(-1)
+    budget = (ratio * n_blocks).ceil()
+    assert (blocks.sum(-1) <= budget).all() and (blocks.sum(-1) >= budget - 3).all()  # a page adds 1-4 blocks
+    assert not (pages & ~candidate).any()
+    assert not (pages & ~chunks.repeat_interleave(4, dim=1)[:, : pages.shape[1]]).any()
+    everything = CHESSPress(ratios=(1.0, 1.0, 1.0), page_size=16, page_stride=4)
+    _, _, pages = everything.select(sums, lengths)
+    assert torch.equal(everything.blocks_of(pages), everything.blocks_of(candidate))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_overlapping_pages_at_every_ratio_one_equal_the_full_cache(arch):
+    model = make_model(arch, "sdpa")
+    ids = prompt(70)
+    reference = greedy(model, ids, new=12)
+    with CHESSPress(ratios=(1.0, 1.0, 1.0), page_size=8, page_stride=4, reselect="always")(model):
+        assert torch.equal(greedy(model, ids, new=12), reference)
+
+
+def test_overlapping_working_context_holds_the_selected_blocks():
+    model = make_model("llama", "sdpa")
+    n = 4 * 40 + 3
+    press = CHESSPress(preset="aggressive", page_size=8, page_stride=4, chunk_pages=2, grid_chunks=2,
+                       reselect="never")
+    with press(model):
+        for step, cache in enumerate(decode(model, prompt(n), 10)):
+            if step == 0:
+                continue
+            total = n + step - 1
+            complete = total // 4
+            complete = total // 8 * 2  # blocks of whole 8-token pages
+            expected = set(range(8)) | set(range((complete - 4) * 4, total + 1))  # sink page, window, partial
+            for block in cache.state.selected[0].nonzero().flatten().tolist():
+                expected |= set(range(block * 4, block * 4 + 4))
+            for layer in chess_layers(cache):
+                assert set(layer.positions[0, 0].tolist()) == expected, step
 
 
 def test_working_context_is_sinks_selected_window_and_partial_page_and_is_shared_by_all_layers():
@@ -313,8 +402,9 @@ def test_presets_are_table_1():
 
 
 def test_the_papers_letter_is_one_option_away():
-    """sparsekv's defaults are 16-token pages, max pooling and centred scores; `paper=True` gives the paper's
-    32-token pages, eq. 2's mean and eq. 4 uncentred; an option given explicitly wins either way."""
+    """sparsekv's defaults are 16-token pages overlapping by half, max pooling and centred scores; `paper=True`
+    gives the paper's 32-token pages one after the other, eq. 2's mean and eq. 4 uncentred; an option given
+    explicitly wins either way."""
     from sparsekv.presses.registry import make_press
 
     ours, papers = CHESSPress(ratio=0.1), CHESSPress(ratio=0.1, paper=True)
@@ -322,6 +412,10 @@ def test_the_papers_letter_is_one_option_away():
     assert (papers.page_size, papers.pooling, papers.centre) == (32, "mean", False)
     assert CHESSPress(ratio=0.1, paper=True, centre=True).centre is True
     assert CHESSPress(ratio=0.1, pooling="mean").page_size == 16
+    assert (ours.page_stride, papers.page_stride) == (8, 32)  # overlapping by half; the paper's one after the other
+    assert CHESSPress(ratio=0.1, page_size=15).page_stride == 15  # an odd page: no half
+    assert CHESSPress(ratio=0.1, paper=True, page_size=16).page_stride == 16
+    assert CHESSPress(ratio=0.1, paper=True, page_stride=8).page_size == 32
     assert make_press("chess:paper=true,ratio=0.1") == papers
 
 
@@ -335,6 +429,8 @@ def test_the_papers_letter_is_one_option_away():
     ({"ratio": 1.5}, r"ratio must be in \(0, 1\]"),
     ({"preset": "moderate", "page_size": 0}, "page_size must be an integer >= 1"),
     ({"preset": "moderate", "window_pages": 0}, "window_pages must be an integer >= 1"),
+    ({"preset": "moderate", "page_size": 16, "page_stride": 32}, r"page_stride must be an integer in \[1, 16\]"),
+    ({"preset": "moderate", "page_size": 16, "page_stride": 6}, r"page_stride must divide page_size \(16\)"),
     ({"preset": "moderate", "reselect": "sometimes"}, "reselect must be one of"),
     ({"preset": "moderate", "pooling": "median"}, "pooling must be one of mean, max"),
     ({"preset": "moderate", "paper": "yes"}, "paper must be True or False"),
@@ -357,7 +453,7 @@ def test_chess_rules_query_anchor_is_in_the_page_vectors_layout():
 
     model = make_model("qwen2")  # 4 query heads over 2 KV heads
     ids = prompt(80)
-    with CHESSPress(ratio=0.5, page_size=16)(model), captured_queries(model) as queries:
+    with CHESSPress(ratio=0.5, page_size=16, page_stride=16)(model), captured_queries(model) as queries:
         out = model(ids, use_cache=True)
     anchor = query_anchor(model, queries, out.cache)
     assert anchor.shape == (1, out.cache.state.page_sums.shape[-1])
@@ -384,9 +480,11 @@ def test_chess_rules_traced_rules_select_as_many_pages():
     model = make_model("llama")
     ids = prompt(200)
     selected = {}
-    for name, press in {"means": CHESSPress(ratio=0.3, page_size=16, pooling="max"),
-                        "bounds": TracedRule(ratio=0.3, page_size=16, pooling="max", model=model, rule="bounds"),
-                        "tokens": TracedRule(ratio=0.3, page_size=16, pooling="max", model=model, rule="tokens")
+    for name, press in {"means": CHESSPress(ratio=0.3, page_size=16, page_stride=16, pooling="max"),
+                        "bounds": TracedRule(ratio=0.3, page_size=16, page_stride=16, pooling="max", model=model,
+                                              rule="bounds"),
+                        "tokens": TracedRule(ratio=0.3, page_size=16, page_stride=16, pooling="max", model=model,
+                                              rule="tokens")
                         }.items():
         with press(model):
             out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
@@ -405,7 +503,7 @@ def test_chess_rules_best_token_is_a_pages_largest_product():
 
     model = make_model("llama")
     ids = prompt(100)
-    press = CHESSPress(ratio=0.3, page_size=16, pooling="max")
+    press = CHESSPress(ratio=0.3, page_size=16, page_stride=16, pooling="max")
     with press(model):
         out = model(ids, use_cache=True)
     n = ids.shape[1]
@@ -421,3 +519,28 @@ def test_chess_rules_best_token_is_a_pages_largest_product():
     torch.testing.assert_close(anchor_again[0], anchor)
     complete = n // press.page_size  # the page means agree with the keys read back from the store
     torch.testing.assert_close((vectors[0, :complete] @ anchor), products[:complete].mean(-1), atol=1e-3, rtol=1e-3)
+
+
+def test_chess_rules_regroups_finer_page_sums_into_a_rules_blocks():
+    """`--page-stride`: one prefill's sums per 8 tokens serve the rules on 16-token pages, as their own would;
+    and a press with overlapping pages holds the page vectors of the non-overlapping ones at every other start."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from chess_rules import regrouped
+
+    model = make_model("llama")
+    ids = prompt(101)
+    sums = {}
+    for stride in (8, 16):
+        with CHESSPress(ratio=0.3, page_size=16, page_stride=stride)(model):
+            sums[stride] = model(ids, use_cache=True).cache.state.page_sums
+    whole = CHESSPress(ratio=0.3, page_size=16, page_stride=16)
+    torch.testing.assert_close(regrouped(sums[8], 8, whole)[:, :7], sums[16][:, :7], atol=1e-4, rtol=1e-4)
+    lengths = torch.tensor([ids.shape[1]], device=DEVICE)
+    half = CHESSPress(ratio=0.3, page_size=16, page_stride=8, centre=False)
+    plain = CHESSPress(ratio=0.3, page_size=16, page_stride=16, centre=False)
+    vectors, anchor, _ = half.page_vectors(sums[8], lengths)
+    expected, anchor_whole, _ = plain.page_vectors(sums[16], lengths)
+    torch.testing.assert_close(vectors[:, ::2], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(anchor, anchor_whole, atol=1e-4, rtol=1e-4)  # the same window, the same anchor

@@ -36,11 +36,12 @@ class CHESSState(RowState):
     """Per generation: the page vectors of every compressed layer and the current selection.
 
     Attributes:
-        page_sums: `(batch, pages, D)` float32, per page the sum of its keys; columns are (layer, KV head, dim)
-            flattened (eq. 1), each layer filling its own columns. Page k of a row covers the tokens
-            `start + k * page_size ...` of that row, `start` its first real token, so padding is in no page.
+        page_sums: `(batch, blocks, D)` float32, per block of `page_stride` tokens the sum of its keys; columns
+            are (layer, KV head, dim) flattened (eq. 1), each layer filling its own columns. Block k of a row covers
+            the tokens `start + k * page_stride ...` of that row, `start` its first real token, so padding is in
+            no block; page k is blocks `k ... k + page_size / page_stride - 1` (one block when pages do not overlap).
         columns: layer index -> its rank among the compressed layers (its block of columns in `page_sums`).
-        selected: `(batch, pages)` pages chosen by the last selection (Algorithm 1).
+        selected: `(batch, blocks)` blocks of the pages chosen by the last selection (Algorithm 1).
         plan: `(slots, valid, all_valid)`: `(batch, n)` store slots of a new working context, which of them are
             real, and whether all are; made after a forward for every layer of the next one (`Forward.plan`);
             None when the context did not change.
@@ -67,8 +68,9 @@ class CHESSState(RowState):
 class CHESSPress(Press):
     """Select, at each decoding step, the pages of the context attention reads; keep every page.
 
-    Nothing is evicted: the KV of every token stays in a page-aligned store (pages of `page_size` tokens), and
-    what changes is the working context attention reads (sec. 3). Each page has a vector, the mean of its keys
+    Nothing is evicted: the KV of every token stays in a store, and what changes is the working context attention
+    reads (sec. 3), whole pages of `page_size` tokens (by default a page starts every `page_size / 2` tokens,
+    sparsekv's: `page_stride` below). Each page has a vector, the mean of its keys
     flattened over all compressed layers and KV heads (eq. 1), brought up to date with the decoded keys at each
     selection; chunks (`chunk_pages` consecutive pages) and grids (`grid_chunks` consecutive chunks) average
     their children (eq. 2). The anchor is the mean vector of the recent window's pages (eq. 3); every grid, chunk
@@ -85,6 +87,8 @@ class CHESSPress(Press):
     verified: a question asked of a context compressed before it was known, a second turn) is read as the first
     one was: it attends to every token (the store), then selects with its own tokens in the anchor's window.
 
+    Choices beyond the paper (sparsekv's, each one option away: `paper=True` sets them all): 16-token pages,
+    overlapping by half, and chunks and grids scored by their best page (`page_size`, `page_stride`, `pooling`).
     Choices the paper leaves open (sparsekv's): sink and window pages are attended always and are not
     candidates of the selection, so the ratios apply to the other pages; page vectors come from the keys before
     RoPE and are centred before scoring (`pre_rope`, `centre` below; without them the needle's page ranks among
@@ -106,6 +110,18 @@ class CHESSPress(Press):
         page_size: tokens per page (default 16, sparsekv's; the paper's is 32, sec. 5.1). A page vector then
             averages half as much unrelated text around what matters, and the sink and window pages attend
             half as many tokens at the same ratio (docs/results.md, "CHESS with smaller pages").
+        page_stride: tokens from one page's start to the next's (default `page_size / 2`, sparsekv's: pages
+            overlap by half; `page_size` with `paper`, or when it is odd: pages one after the other, the paper's).
+            Page k covers the `page_size` tokens from `k * page_stride`, so a span that a boundary of the paper's
+            pages would cut (a code, a number) lies whole in some page, and the selection can start a page where the
+            span starts. Attention reads the blocks (`page_stride` tokens) of the selected pages; Algorithm 1's last
+            level takes pages, best first, while their blocks are at most the three fractions of the candidate
+            pages' blocks, so a ratio attends as many tokens as without overlap. Sink and window pages are the
+            paper's, on its grid of pages. Must divide `page_size`. The page sums are kept per block:
+            `page_size / page_stride` times the memory of the paper's (with 8-token blocks, float32 sums of
+            float32 keys are 1/16 of the KV's size). Measured at ratio 0.1 with the question at the end: 16-token
+            pages at a stride of 8 find 100% of codes in Qwen2.5-0.5B's real prose at 4k tokens against 85% one
+            after the other, 45% against 40% on SmolLM2-135M (docs/results.md, "CHESS's overlapping pages").
         chunk_pages: pages per chunk (default 4; the paper gives no value).
         grid_chunks: chunks per grid (default 4; the paper gives no value).
         sink_pages: first pages always attended (default 1).
@@ -126,18 +142,20 @@ class CHESSPress(Press):
             score) or "mean" (eq. 2's mean vector, whose eq. 4 score is the mean of its children's scores). In
             real prose the mean of 4 or 16 pages drowns the one page that matters, and Algorithm 1's upper levels
             discard the grid or chunk of a page that ranks among the best (`benchmarks/chess_affinity.py`).
-        paper: the paper's letter where sparsekv departs from it: 32-token pages, eq. 2's mean pooling and eq. 4
-            uncentred, unless given. Default False: 16-token pages, max pooling, centred. Measured at ratio 0.1
-            with the question at the end, sparsekv's defaults against the paper's pages with mean pooling
-            (centred): Qwen2.5-0.5B at 4k tokens finds 85% of codes in real prose against 20%, and 100% of
-            multi-key needles in the filler haystack against 95%; SmolLM2-135M at 4k tokens 40% against 20% in
-            prose, the same on the filler haystack (docs/results.md, "CHESS's defaults").
+        paper: the paper's letter where sparsekv departs from it: 32-token pages one after the other, eq. 2's mean
+            pooling and eq. 4 uncentred, unless given. Default False: 16-token pages overlapping by half, max
+            pooling, centred. Measured at ratio 0.1 with the question at the end, sparsekv's defaults (pages one
+            after the other, before they overlapped) against the paper's pages with mean pooling (centred):
+            Qwen2.5-0.5B at 4k tokens finds 85% of codes in real prose against 20%, and 100% of multi-key needles
+            in the filler haystack against 95%; SmolLM2-135M at 4k tokens 40% against 20% in prose, the same on
+            the filler haystack (docs/results.md, "CHESS's defaults").
     """
 
     preset: str | None = None
     ratios: tuple[float, float, float] | None = None
     budget_options: ClassVar[tuple[str, ...]] = ("preset", "ratios")
     page_size: int | None = None  # 16, or 32 with `paper`
+    page_stride: int | None = None  # page_size / 2, or page_size with `paper`
     chunk_pages: int = 4
     grid_chunks: int = 4
     sink_pages: int = 1
@@ -180,6 +198,13 @@ class CHESSPress(Press):
         for key, low in (("page_size", 1), ("chunk_pages", 1), ("grid_chunks", 1), ("sink_pages", 0),
                          ("window_pages", 1)):
             setattr(self, key, check_number(name, key, getattr(self, key), integer=True, low=low))
+        if self.page_stride is None:
+            self.page_stride = self.page_size if self.paper or self.page_size % 2 else self.page_size // 2
+        self.page_stride = check_number(name, "page_stride", self.page_stride, integer=True, low=1,
+                                        high=self.page_size, unit="tokens")
+        if self.page_size % self.page_stride:
+            raise ValueError(f"{name}: page_stride must divide page_size ({self.page_size}); got "
+                             f"{self.page_stride}.")
         for key in ("pre_rope", "centre"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{name}: {key} must be True or False; got {getattr(self, key)!r}.")
@@ -235,26 +260,26 @@ class CHESSPress(Press):
 
     def _accumulate(self, cache, layer, layer_idx, start, rope, end=None, sign=1.0):
         """Add (`sign` -1: take back) the keys of store slots `start:end` of this layer (RoPE undone with `rope` =
-        their (cos, sin)) to their pages' sums; `end` defaults to every token seen."""
+        their (cos, sin)) to their blocks' sums; `end` defaults to every token seen."""
         state, end = cache.state, layer.logical_len if end is None else end
         b, h, _, d = layer.store_keys.shape
         first = cache.on("prompt_start", layer.device)[:, None]
-        pages = -(-(end - int(first.min())) // self.page_size)
-        if state.page_sums is None or pages > state.page_sums.shape[1]:
-            grown = torch.zeros(b, pages + 64, len(state.columns) * h * d, device=layer.device)
+        blocks = -(-(end - int(first.min())) // self.page_stride)
+        if state.page_sums is None or blocks > state.page_sums.shape[1]:
+            grown = torch.zeros(b, blocks + 64, len(state.columns) * h * d, device=layer.device)
             if state.page_sums is not None:
                 grown[:, : state.page_sums.shape[1]] = state.page_sums
             state.page_sums = grown
         slots = torch.arange(start, end, device=layer.device)[None, :]
-        page = (slots - first).div(self.page_size, rounding_mode="floor")  # (b, q); < 0: padding
+        block = (slots - first).div(self.page_stride, rounding_mode="floor")  # (b, q); < 0: padding
         keys = layer.store_keys[:, :, start:end]
         if self.pre_rope:
             keys = rotate(keys, rope, inverse=True)
         keys = keys.permute(0, 2, 1, 3).reshape(b, end - start, h * d).float()
-        keys = keys * ((page >= 0)[..., None] * sign)
+        keys = keys * ((block >= 0)[..., None] * sign)
         column = state.columns[layer_idx] * h * d
         state.page_sums[:, :, column: column + h * d].scatter_add_(
-            1, page.clamp(min=0)[..., None].expand(-1, -1, h * d), keys)
+            1, block.clamp(min=0)[..., None].expand(-1, -1, h * d), keys)
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: take its keys back out of the page sums if a selection summed them, forget their
@@ -300,7 +325,7 @@ class CHESSPress(Press):
         reselect = bool(trigger.any())  # the step's one read on the host (uncertainty needs the logits)
         if reselect:
             self._catch_up(cache)
-            fresh = self.select(state.page_sums, lengths)[-1]
+            fresh = self.blocks_of(self.select(state.page_sums, lengths)[-1])
             state.selected = fresh if state.selected is None else torch.where(
                 trigger[:, None], fresh, pad_pages(state.selected, fresh.shape[1]))
             cache.counts["selections"] += int(trigger.sum())
@@ -320,31 +345,55 @@ class CHESSPress(Press):
         entropy, varentropy = uncertainty(logits)
         return (entropy > self.entropy_threshold) & (varentropy > self.varentropy_threshold)
 
-    def page_roles(self, lengths: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(batch, pages)` masks: pages always attended (sinks, window, partial page) and candidate pages."""
-        page = torch.arange(n_pages, device=lengths.device)[None, :]
-        complete = lengths.div(self.page_size, rounding_mode="floor")[:, None]
-        exists = page * self.page_size < lengths[:, None]
-        always = exists & ((page < self.sink_pages) | (page >= complete - self.window_pages))
+    @property
+    def span(self) -> int:
+        """Blocks (of `page_stride` tokens) per page: 1 when pages do not overlap."""
+        return self.page_size // self.page_stride
+
+    def block_roles(self, lengths: torch.Tensor, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(batch, blocks)` masks: blocks always attended and the others. Sink pages, window pages and the partial
+        page are laid on the grid of non-overlapping pages from each row's first token, whatever the stride, so
+        overlapping pages add candidates between the paper's pages and change nothing else."""
+        block = torch.arange(n_blocks, device=lengths.device)[None, :]
+        complete = lengths.div(self.page_size, rounding_mode="floor")[:, None] * self.span  # blocks of whole pages
+        exists = block * self.page_stride < lengths[:, None]
+        always = exists & ((block < self.sink_pages * self.span) | (block >= complete - self.window_pages * self.span))
         return always, exists & ~always
 
     def page_vectors(self, page_sums: torch.Tensor, lengths: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page vectors `(batch, pages, D)` (eq. 1, centred if `centre`), the anchor `(batch, D)` (eq. 3) and
-        the candidate pages `(batch, pages)`, for rows of `lengths` real tokens."""
-        n_pages = int((-(-lengths // self.page_size)).max())
-        always, candidate = self.page_roles(lengths, n_pages)
-        counts = (lengths[:, None] - torch.arange(n_pages, device=lengths.device) * self.page_size)
-        vectors = page_sums[:, :n_pages] / counts.clamp(1, self.page_size)[..., None]  # eq. 1: page means
+        the candidate pages `(batch, pages)`, for rows of `lengths` real tokens. Page k starts at block k (as many
+        pages as blocks; those running past the row's end are no candidates); a candidate's blocks all are."""
+        n_blocks = int((-(-lengths // self.page_stride)).max())
+        always, candidate = self.block_roles(lengths, n_blocks)
+        block = torch.arange(n_blocks, device=lengths.device)
+        sums = page_sums[:, :n_blocks]
+        if self.span > 1:  # page k: blocks k ... k + span - 1
+            sums = nn.functional.pad(sums, (0, 0, 0, self.span - 1))
+            sums = sum(sums[:, j: j + n_blocks] for j in range(self.span))
+            padded = nn.functional.pad(candidate, (0, self.span - 1))
+            candidate = torch.stack([padded[:, j: j + n_blocks] for j in range(self.span)]).all(0)
+        counts = lengths[:, None] - block * self.page_stride
+        vectors = sums / counts.clamp(1, self.page_size)[..., None]  # eq. 1: page means
         if self.centre:  # remove the component every page shares, so that eq. 4 measures what sets pages apart
             vectors = vectors - masked_mean(vectors, candidate, dim=1)[:, None]
-        window = always & (torch.arange(n_pages, device=lengths.device) >= self.sink_pages)
+        # Eq. 3 over the window's pages and the partial page, on the grid of non-overlapping pages.
+        window = always & (block >= self.sink_pages * self.span) & (block % self.span == 0)
         return vectors, masked_mean(vectors, window, dim=1), candidate
+
+    def blocks_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """`(batch, blocks)`: the blocks of `pages` `(batch, pages)`; page k covers blocks k ... k + span - 1."""
+        if self.span == 1:
+            return pages
+        padded = nn.functional.pad(pages, (self.span - 1, 0))
+        return torch.stack([padded[:, j: j + pages.shape[1]] for j in range(self.span)]).any(0)
 
     def select(self, page_sums: torch.Tensor, lengths: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
-        `(batch, pages)`, for rows of `lengths` real tokens."""
+        `(batch, pages)`, for rows of `lengths` real tokens (page k starts at block k: `blocks_of` gives the blocks
+        attention reads). Chunks and grids group consecutive pages."""
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
         return self.select_by((vectors @ anchor[:, :, None])[..., 0], candidate)  # eq. 4 for every page: one GEMM
 
@@ -363,7 +412,12 @@ class CHESSPress(Press):
         active = keep_grid.repeat_interleave(self.grid_chunks, dim=1) & chunk_in
         keep_chunk = top_fraction(s_chunk, active, rho_c)
         active = keep_chunk.repeat_interleave(self.chunk_pages, dim=1)[:, :n_pages] & candidate
-        return keep_grid, keep_chunk, top_fraction(s_page, active, rho_p)
+        if self.span == 1:
+            return keep_grid, keep_chunk, top_fraction(s_page, active, rho_p)
+        # Overlapping pages: the blocks of the best active pages, as many as the three fractions give of the
+        # candidates' blocks (a page adds 1 to `span` blocks, so a fraction of the pages would not say how many).
+        budget = (rho_g * rho_c * rho_p * self.blocks_of(candidate).sum(-1)).ceil().long()
+        return keep_grid, keep_chunk, top_covering(s_page, active, budget, self.span)
 
     def _pool(self, scores: torch.Tensor, active: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores `(batch, n // size)` of groups of `size` consecutive entries, pooled over their active ones, and
@@ -378,18 +432,19 @@ class CHESSPress(Press):
 
     def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Store slots `(batch, n)` and validity of sink + selected + window pages + the partial page, and whether
-        every slot is real (read once here for every layer's `gather`)."""
-        n_pages = int((-(-lengths // self.page_size)).max())
-        always, _ = self.page_roles(lengths, n_pages)
-        attended = always | pad_pages(selected, n_pages)
-        # Attended pages first, in order; then tokens of each page, those past the row's end invalid.
-        order = torch.where(attended, torch.arange(n_pages, device=attended.device), n_pages).sort(dim=-1).values
+        """Store slots `(batch, n)` and validity of the blocks of sink + selected + window pages + the partial
+        block (`selected`: `(batch, blocks)`), and whether every slot is real (read once here for every layer's
+        `gather`)."""
+        n_blocks, size = int((-(-lengths // self.page_stride)).max()), self.page_stride
+        always, _ = self.block_roles(lengths, n_blocks)
+        attended = always | pad_pages(selected, n_blocks)
+        # Attended blocks first, in order; then tokens of each block, those past the row's end invalid.
+        order = torch.where(attended, torch.arange(n_blocks, device=attended.device), n_blocks).sort(dim=-1).values
         width = int(attended.sum(-1).max())
-        pages = order[:, :width]
-        offsets = pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)
-        offsets = offsets.flatten(1)  # (b, width * page_size) token index within the row
-        valid = (pages < n_pages).repeat_interleave(self.page_size, dim=1) & (offsets < lengths[:, None])
+        blocks = order[:, :width]
+        offsets = blocks[..., None] * size + torch.arange(size, device=blocks.device)
+        offsets = offsets.flatten(1)  # (b, width * page_stride) token index within the row
+        valid = (blocks < n_blocks).repeat_interleave(size, dim=1) & (offsets < lengths[:, None])
         slots = (offsets + prompt_start.to(offsets.device)[:, None]).where(valid, 0)
         return slots, valid, bool(valid.all())
 
@@ -448,6 +503,21 @@ def top_fraction(scores: torch.Tensor, active: torch.Tensor, rho: float) -> torc
     masked = scores.masked_fill(~active, float("nan"))
     threshold = masked.nanquantile(1 - rho, dim=-1, keepdim=True)
     return active & (scores >= threshold)
+
+
+def top_covering(scores: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, span: int) -> torch.Tensor:
+    """Active pages `(batch, pages)`, best first, while the blocks they cover number at most `budget` `(batch,)`
+    (page k covers blocks k ... k + span - 1; the best page at least): Algorithm 1's last level when pages overlap."""
+    b, n = scores.shape
+    order = scores.masked_fill(~active, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand(b, n))
+    rank = rank.masked_fill(~active, n)  # never taken
+    # A block is attended once the best-ranked page over it is taken: taking the pages ranked below t attends the
+    # blocks whose first rank is below t, so t is the budget-th smallest first rank (at least 1: the best page).
+    padded = nn.functional.pad(rank, (span - 1, 0), value=n)
+    first = torch.stack([padded[:, j: j + n] for j in range(span)]).amin(0)  # (b, blocks)
+    limit = first.sort(dim=-1).values.gather(-1, budget.clamp(max=n - 1)[:, None]).clamp(min=1)
+    return active & (rank < limit)
 
 
 def pad_pages(mask: torch.Tensor, n_pages: int) -> torch.Tensor:
