@@ -372,8 +372,7 @@ class CHESSPress(Press):
         if self.span > 1:  # page k: blocks k ... k + span - 1
             sums = nn.functional.pad(sums, (0, 0, 0, self.span - 1))
             sums = sum(sums[:, j: j + n_blocks] for j in range(self.span))
-            padded = nn.functional.pad(candidate, (0, self.span - 1))
-            candidate = torch.stack([padded[:, j: j + n_blocks] for j in range(self.span)]).all(0)
+            candidate = nn.functional.pad(candidate, (0, self.span - 1)).unfold(1, self.span, 1).all(-1)
         counts = lengths[:, None] - block * self.page_stride
         vectors = sums / counts.clamp(1, self.page_size)[..., None]  # eq. 1: page means
         if self.centre:  # remove the component every page shares, so that eq. 4 measures what sets pages apart
@@ -386,8 +385,7 @@ class CHESSPress(Press):
         """`(batch, blocks)`: the blocks of `pages` `(batch, pages)`; page k covers blocks k ... k + span - 1."""
         if self.span == 1:
             return pages
-        padded = nn.functional.pad(pages, (self.span - 1, 0))
-        return torch.stack([padded[:, j: j + pages.shape[1]] for j in range(self.span)]).any(0)
+        return nn.functional.pad(pages, (self.span - 1, 0)).unfold(1, self.span, 1).any(-1)
 
     def select(self, page_sums: torch.Tensor, lengths: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -433,7 +431,7 @@ class CHESSPress(Press):
     def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Store slots `(batch, n)` and validity of the blocks of sink + selected + window pages + the partial
-        block (`selected`: `(batch, blocks)`), and whether every slot is real (read once here for every layer's
+        page (`selected`: `(batch, blocks)`), and whether every slot is real (read once here for every layer's
         `gather`)."""
         n_blocks, size = int((-(-lengths // self.page_stride)).max()), self.page_stride
         always, _ = self.block_roles(lengths, n_blocks)
@@ -514,8 +512,7 @@ def top_covering(scores: torch.Tensor, active: torch.Tensor, budget: torch.Tenso
     rank = rank.masked_fill(~active, n)  # never taken
     # A block is attended once the best-ranked page over it is taken: taking the pages ranked below t attends the
     # blocks whose first rank is below t, so t is the budget-th smallest first rank (at least 1: the best page).
-    padded = nn.functional.pad(rank, (span - 1, 0), value=n)
-    first = torch.stack([padded[:, j: j + n] for j in range(span)]).amin(0)  # (b, blocks)
+    first = nn.functional.pad(rank, (span - 1, 0), value=n).unfold(1, span, 1).amin(-1)  # (b, blocks)
     limit = first.sort(dim=-1).values.gather(-1, budget.clamp(max=n - 1)[:, None]).clamp(min=1)
     return active & (rank < limit)
 
