@@ -51,15 +51,20 @@ from sparsekv.presses.chess import masked_mean
 from sparsekv.table import format_table
 
 
+def flat_pages(page_size: int, pooling: str = "max") -> dict:
+    """CHESSPress options of pages of `page_size` tokens one after the other, the grid every traced rule scores."""
+    return {"page_size": page_size, "page_stride": page_size, "pooling": pooling}
+
+
 def rules(ratio: float, page_size: int) -> dict[str, CHESSPress]:
     """The rules compared, all on pages of `page_size` tokens one after the other (the page vectors of one
     prefill)."""
-    pages = {"page_size": page_size, "page_stride": page_size}
     return {
-        "mean pooling, ratio split evenly (eq. 2)": CHESSPress(ratio=ratio, pooling="mean", **pages),
-        "max pooling, ratio split evenly": CHESSPress(ratio=ratio, pooling="max", **pages),
-        "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio), **pages),
-        "pages only, page vectors not centred": CHESSPress(ratios=(1.0, 1.0, ratio), centre=False, **pages),
+        "mean pooling, ratio split evenly (eq. 2)": CHESSPress(ratio=ratio, **flat_pages(page_size, "mean")),
+        "max pooling, ratio split evenly": CHESSPress(ratio=ratio, **flat_pages(page_size)),
+        "pages only, ratios=(1, 1, ratio)": CHESSPress(ratios=(1.0, 1.0, ratio), **flat_pages(page_size)),
+        "pages only, page vectors not centred": CHESSPress(ratios=(1.0, 1.0, ratio), centre=False,
+                                                           **flat_pages(page_size)),
     }
 
 
@@ -136,7 +141,7 @@ def answers(model, tokenizer, args) -> None:
     """Greedy answers of the default CHESS and of the traced rules (`TracedRule`: `--bounds`, `--tokens`; the
     bounds rule when neither is given) on the swept prompts, scored as `sparsekv eval` scores them."""
     task = TASKS[args.task]
-    pages = {"page_size": args.page_size, "page_stride": args.page_size, "pooling": "max"}  # one after the other
+    pages = flat_pages(args.page_size)
     presses = {"page means (the default)": CHESSPress(ratio=args.ratio, **pages)}
     if args.bounds or not args.tokens:
         presses["page means + page bounds, standardised"] = TracedRule(
@@ -243,25 +248,25 @@ def main(argv=None):
     if args.answers:
         return answers(model, tokenizer, args)
     presses = rules(args.ratio, args.page_size)
-    pages = {"page_size": args.page_size, "page_stride": args.page_size, "pooling": "max"}  # one after the other
+    flat = flat_pages(args.page_size)
     query_rule = f"anchor: the last {QUERY_WINDOW} prompt queries (before RoPE), max pooling"
     if args.queries:
-        presses[query_rule] = CHESSPress(ratio=args.ratio, **pages)
+        presses[query_rule] = CHESSPress(ratio=args.ratio, **flat)
     bound_rule = "page bounds (Quest), max pooling, ratio split evenly"
     both_rule = "page means + page bounds, standardised, max pooling"
     layer_rules = {"each layer's share standardised, max pooling": "layer",
                    "each layer and KV head's share standardised, max pooling": "head"}
     if args.per_layer:
         for name in layer_rules:
-            presses[name] = CHESSPress(ratio=args.ratio, **pages)
+            presses[name] = CHESSPress(ratio=args.ratio, **flat)
     token_rule = "page's best token, max pooling"
     mixed_rule = "page means + page's best token, standardised, max pooling"
     ranked_rule = "page means + page's best token, ranks summed, max pooling"
     if args.tokens:
-        presses[token_rule] = CHESSPress(ratio=args.ratio, **pages)
+        presses[token_rule] = CHESSPress(ratio=args.ratio, **flat)
         presses[mixed_rule] = presses[ranked_rule] = presses[token_rule]
     if args.bounds:
-        presses[bound_rule] = CHESSPress(ratio=args.ratio, **pages)
+        presses[bound_rule] = CHESSPress(ratio=args.ratio, **flat)
         presses[both_rule] = presses[bound_rule]
     if args.page_stride:
         presses[f"overlapping pages (page_stride={args.page_stride}), max pooling"] = CHESSPress(
