@@ -208,6 +208,13 @@ def answer(model, tokenizer, press, prompt: Prompt, mode: str, new_tokens: int,
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), held
 
 
+def local_samples(task: str, tokenizer, length: int, n: int, seed: int, haystack: list[str] | None = None) -> list:
+    """The `n` samples of a local task (`TASKS`) at `length` tokens that a sweep with `seed` answers: sample `i`
+    has seed `seed * 100_000 + i` and its needle at depth `i / (n - 1)` (swept evenly, ends included)."""
+    depths = [i / (n - 1) if n > 1 else 0.5 for i in range(n)]
+    return [TASKS[task].make(tokenizer, length, seed * 100_000 + i, d, haystack) for i, d in enumerate(depths)]
+
+
 class Evaluator:
     """Runs an `EvalConfig`'s sweep on a loaded model; `state` is an `accelerate.PartialState` (or alike)."""
 
@@ -232,9 +239,7 @@ class Evaluator:
         if key not in self._samples:
             n, seed = self.config.samples, self.config.seed
             if task in TASKS:
-                depths = [i / (n - 1) if n > 1 else 0.5 for i in range(n)]  # swept evenly, ends included
-                make, tok = TASKS[task].make, self.tokenizer
-                samples = [make(tok, length, seed * 100_000 + i, d, self.haystack) for i, d in enumerate(depths)]
+                samples = local_samples(task, self.tokenizer, length, n, seed, self.haystack)
                 self._samples[key] = (samples, [encode(self.tokenizer, s) for s in samples], self.new_tokens(task))
             else:
                 loaded = load_hub_task(task, length, n, self.tokenizer)
