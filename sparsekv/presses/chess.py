@@ -327,7 +327,7 @@ class CHESSPress(Press):
             self._catch_up(cache)
             fresh = self.blocks_of(self.select(state.page_sums, lengths)[-1])
             state.selected = fresh if state.selected is None else torch.where(
-                trigger[:, None], fresh, pad_pages(state.selected, fresh.shape[1]))
+                trigger[:, None], fresh, pad_columns(state.selected, fresh.shape[1]))
             cache.counts["selections"] += int(trigger.sum())
         if reselect or not torch.equal(complete, state.built_at):
             state.plan = self.working_context(state.selected, lengths, cache.on("prompt_start", lengths.device))
@@ -435,7 +435,7 @@ class CHESSPress(Press):
         `gather`)."""
         n_blocks, size = int((-(-lengths // self.page_stride)).max()), self.page_stride
         always, _ = self.block_roles(lengths, n_blocks)
-        attended = always | pad_pages(selected, n_blocks)
+        attended = always | pad_columns(selected, n_blocks)
         # Attended blocks first, in order; then tokens of each block, those past the row's end invalid.
         order = torch.where(attended, torch.arange(n_blocks, device=attended.device), n_blocks).sort(dim=-1).values
         width = int(attended.sum(-1).max())
@@ -517,6 +517,7 @@ def top_covering(scores: torch.Tensor, active: torch.Tensor, budget: torch.Tenso
     return active & (rank < limit)
 
 
-def pad_pages(mask: torch.Tensor, n_pages: int) -> torch.Tensor:
-    """`mask` `(batch, pages)` padded with False to `n_pages` pages (pages that appeared since it was made)."""
-    return torch.nn.functional.pad(mask, (0, n_pages - mask.shape[1]))
+def pad_columns(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-page or per-block `mask` `(batch, columns)` padded with False to `n` columns: the pages or blocks that
+    appeared since it was made."""
+    return torch.nn.functional.pad(mask, (0, n - mask.shape[1]))
