@@ -107,11 +107,11 @@ def run(args) -> None:
     prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
     path = Path(prompts[0]["model"])
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    models = {}  # by attention implementation: ObservedAttentionPress reads eager's weights
+    models = {}  # (model, end-of-sequence ids) by attention: ObservedAttentionPress reads eager's weights
     done = set()
     if Path(args.out).exists():
         done = {(r["press"], r["ratio"], r["sample"]) for r in map(json.loads, Path(args.out).read_text().splitlines())}
-    versions = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "?",
+    versions = {"kvpress": getattr(kvpress, "__version__", "?"),
                 "transformers": transformers.__version__, "torch": torch.__version__}
     ratios = [float(r) for r in args.ratios.split(",")]
     jobs = [(name, ratio, p) for name in args.presses.split(",") for ratio in ratios for p in prompts
@@ -120,11 +120,11 @@ def run(args) -> None:
         for name, ratio, prompt in tqdm(jobs, desc="kvpress replies"):
             attention = "eager" if name == "observed" else "sdpa"
             if attention not in models:
-                models[attention] = AutoModelForCausalLM.from_pretrained(
+                model = AutoModelForCausalLM.from_pretrained(
                     path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation=attention).eval()
-            model = models[attention]
-            eos = model.generation_config.eos_token_id
-            eos = set(eos if isinstance(eos, list) else [eos])
+                eos = model.generation_config.eos_token_id
+                models[attention] = model, set(eos if isinstance(eos, list) else [eos])
+            model, eos = models[attention]
             ids = reply(model, make_press(name, ratio), torch.tensor([prompt["context_ids"]]),
                         torch.tensor([prompt["question_ids"]]), args.mode, prompt["max_new_tokens"], eos)
             out.write(json.dumps({
