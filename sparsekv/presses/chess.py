@@ -370,8 +370,7 @@ class CHESSPress(Press):
         block = torch.arange(n_blocks, device=lengths.device)
         sums = page_sums[:, :n_blocks]
         if self.span > 1:  # page k: blocks k ... k + span - 1
-            sums = nn.functional.pad(sums, (0, 0, 0, self.span - 1))
-            sums = sum(sums[:, j: j + n_blocks] for j in range(self.span))
+            sums = nn.functional.pad(sums, (0, 0, 0, self.span - 1)).unfold(1, self.span, 1).sum(-1)
             candidate = nn.functional.pad(candidate, (0, self.span - 1)).unfold(1, self.span, 1).all(-1)
         counts = lengths[:, None] - block * self.page_stride
         vectors = sums / counts.clamp(1, self.page_size)[..., None]  # eq. 1: page means
