@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from sparsekv import CHESSPress
 from sparsekv.evaluation.prompts import encode
+from sparsekv.evaluation.runner import local_samples
 from sparsekv.evaluation.tasks import TASKS
 from sparsekv.models import load_model
 from sparsekv.table import format_table
@@ -62,11 +63,9 @@ def needle_arguments(parser: argparse.ArgumentParser, ratio: float, samples: int
 def swept_samples(tokenizer, task: str, length: int, samples: int):
     """The prompts of `sparsekv eval` at `samples` needle depths swept evenly, ends included: for each, its depth,
     the sample, its prompt ids and the value's token span `(first, end)` (`value_tokens`)."""
-    for i in range(samples):
-        depth = i / max(samples - 1, 1)
-        sample = TASKS[task].make(tokenizer, length, i, depth, None)
+    for sample in local_samples(task, tokenizer, length, samples, seed=0):
         ids = encode(tokenizer, sample).ids
-        yield depth, sample, ids, value_tokens(tokenizer, ids, sample.answers[0])
+        yield sample.depth, sample, ids, value_tokens(tokenizer, ids, sample.answers[0])
 
 
 @torch.no_grad()
