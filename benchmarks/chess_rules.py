@@ -45,7 +45,7 @@ from sparsekv import CHESSPress
 from sparsekv.attention import query_projection, rotate
 from sparsekv.evaluation.scoring import score
 from sparsekv.evaluation.tasks import TASKS
-from sparsekv.hooks import attention_modules
+from sparsekv.architectures import attention_modules
 from sparsekv.models import load_model
 from sparsekv.presses.chess import masked_mean
 from sparsekv.table import format_table

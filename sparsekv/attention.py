@@ -19,6 +19,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def query_norm(module) -> torch.nn.Module | None:
+    """The module's norm of its queries before RoPE: `q_norm` (Qwen3, OLMo2), or `q_layernorm` (StableLM, LFM2);
+    None if it has none."""
+    return getattr(module, "q_norm", None) or getattr(module, "q_layernorm", None)
+
+
 def query_projection(module) -> torch.nn.Module | None:
     """The module's query projection: `q_proj`, or Phi3's fused `qkv_proj` (queries first); None if neither."""
     return getattr(module, "q_proj", None) or getattr(module, "qkv_proj", None)
@@ -38,7 +44,7 @@ def project_queries(module, hidden_states: torch.Tensor, position_embeddings, gr
 def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped: bool = False,
                   rope_matrix: torch.Tensor | None = None) -> torch.Tensor:
     """The query projection's output `(batch, tokens, width)` as the module's queries: split into heads,
-    normed (`q_norm`, when the module has one) and rotated with the `(cos, sin)` of these tokens.
+    normed (`query_norm`, when the module has one) and rotated with the `(cos, sin)` of these tokens.
 
     `grouped`: summed over the query heads of each KV head's GQA group, `(batch, kv_heads, tokens, head_dim)`.
     RoPE turns every head of a token alike, so a group is summed before it is rotated (one rotation per group).
@@ -50,8 +56,12 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
     if width != module.config.num_attention_heads * d:  # a fused qkv output: keep its queries only
         projected = projected[..., : module.config.num_attention_heads * d]
     q = projected
-    if hasattr(module, "q_norm"):
-        q = module.q_norm(q.reshape(b, n, -1, d))
+    norm = query_norm(module)
+    width = getattr(norm, "weight", None)
+    if width is not None and width.shape[-1] != d:  # over the whole projection (OLMo2), before the heads
+        q, norm = norm(q), None
+    if norm is not None:  # per head (Qwen3, Gemma3)
+        q = norm(q.reshape(b, n, -1, d))
     elif not grouped and rope_matrix is None:  # else a step's heads need no 4D view
         q = q.reshape(b, n, -1, d)
     if grouped and rope_matrix is not None:  # one token: its group's sum and rotation are one product
@@ -101,7 +111,9 @@ def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
     """RoPE of one token per row as a matrix `(batch, 1, d, d)`: `rotate(x, pe) == x @ rope_matrix(pe, d)` for
     `x` `(batch, heads, 1, d)`. A decoding step makes it once for every layer, which then rotates its query in
     one op instead of eight (and, with the matrix times attention's scaling, scales it for free). None when it
-    does not apply (several tokens, partial rotary)."""
+    does not apply (several tokens, partial rotary, no position embeddings)."""
+    if position_embeddings is None:
+        return None
     cos, sin = position_embeddings
     if cos.shape[1] != 1 or cos.shape[-1] != head_dim:
         return None
@@ -113,7 +125,10 @@ def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
 
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:
     """RoPE on `x` `(batch, heads, tokens, head_dim)` with the `(cos, sin)` of exactly these tokens; `inverse`
-    undoes it (keys as they were before RoPE). Partial rotary (Phi3) rotates the first dims only."""
+    undoes it (keys as they were before RoPE). Partial rotary (Phi3) rotates the first dims only. None: a layer
+    without position embeddings (SmolLM3's NoPE layers), `x` as it is."""
+    if position_embeddings is None:
+        return x
     cos, sin = (t.unsqueeze(1) if t.dtype == x.dtype else t.unsqueeze(1).to(x.dtype) for t in position_embeddings)
     rot = cos.shape[-1]
     if rot == x.shape[-1]:  # full rotary: no pass-through part to join back (fewer ops per decoding step)
@@ -163,7 +178,7 @@ class AttentionCall:
     Attributes:
         module: the attention module (gives `layer_idx`, `head_dim`, `scaling`, projections).
         hidden_states: its input `(batch, q, hidden)`.
-        position_embeddings: `(cos, sin)` of the input tokens.
+        position_embeddings: `(cos, sin)` of the input tokens; None for a layer without position embeddings.
         weights: attention weights `(batch, heads, q, k)` when the implementation returned them (eager), else None.
         input_valid: `(batch, q)` which input tokens are real, or None when all are.
         projected: the query projection's output for this input, when the hooks captured it (decoding steps of
@@ -210,13 +225,13 @@ class AttentionCall:
                 return shape_queries(self.module, self.projected, self.position_embeddings, grouped, rope)
             q = shape_queries(self.module, self.projected, self.position_embeddings, grouped)
         else:
-            cos, sin = self.position_embeddings
             if start < self.offset:
                 raise ValueError(f"sparsekv: the press reads prompt token {start}'s queries, but a prompt read in "
                                  f"pieces keeps the layer inputs of its tokens from {self.offset} on only; "
                                  "`Press.prompt_tail` must cover every token `compress` reads.")
             sl = slice(start - self.offset, None if end is None else end - self.offset)  # the inputs'
-            rope = (cos[:, start:end], sin[:, start:end])  # from the prompt's start, as `valid()`
+            rope = None if self.position_embeddings is None else \
+                tuple(t[:, start:end] for t in self.position_embeddings)  # from the prompt's start, as `valid()`
             if self.projected is not None:
                 q = shape_queries(self.module, self.projected[:, sl], rope, grouped)
             else:

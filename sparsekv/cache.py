@@ -35,14 +35,13 @@ from typing import Any, Callable, Hashable
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
+from .architectures import COMPRESSED_LAYER_TYPES, rotary
 from .attention import AttentionCall, rope_matrix, tile_rope
 from .layers import (  # noqa: F401 (re-exported)
     GROW, KVLayer, StoreLayer, allocated, append_in_place, buffer_of, victim_indices,
 )
 from .state import RowState, row_index
 
-# Layer types sparsekv compresses; the others (e.g. Gemma3's sliding layers) keep transformers' own layer.
-COMPRESSED_LAYER_TYPES = ("full_attention",)
 # `before_layer`'s answer when the layer keeps transformers' mask (its layout is the logical one).
 KEEP_MASK = object()
 
@@ -78,6 +77,8 @@ class Forward:
         """`attention.rope_matrix` of this forward's one token, plain and times `scaling`, made by its first
         layer and shared by the others (they get the same `(cos, sin)`; a layer given other ones, or another
         head size or scaling, gets its own)."""
+        if position_embeddings is None:  # a layer without position embeddings: queries rotate as they are
+            return None, None
         cos = position_embeddings[0]
         if self.rope is None or self.rope[0] is not cos or self.rope[1:3] != (head_dim, scaling):
             plain = rope_matrix(position_embeddings, head_dim)
@@ -163,7 +164,9 @@ class PromptPieces(RowState):
     def call(self, call: AttentionCall) -> AttentionCall:
         """After a layer of a piece: the call standing for the prompt so far (the kept tail's inputs, then the
         piece's; validity and RoPE from the prompt's start), and the tail kept for the next piece."""
-        if self.rope is None or self.rope[0].shape[1] < self.length:  # the piece's first layer
+        if call.position_embeddings is None:  # a layer without position embeddings
+            pass
+        elif self.rope is None or self.rope[0].shape[1] < self.length:  # the piece's first rotary layer
             self.piece_rope = call.position_embeddings
             self.rope = call.position_embeddings if self.rope is None else tuple(
                 torch.cat([a, b.to(a.device)], dim=1) for a, b in zip(self.rope, call.position_embeddings))
@@ -173,7 +176,7 @@ class PromptPieces(RowState):
         kept = self.inputs.get(call.module.layer_idx)
         hidden = call.hidden_states if kept is None else torch.cat([kept, call.hidden_states.to(kept.device)], 1)
         self.inputs[call.module.layer_idx] = hidden[:, max(hidden.shape[1] - self.tail, 0):]
-        rope = tuple(t.to(hidden.device) for t in self.rope)
+        rope = None if call.position_embeddings is None else tuple(t.to(hidden.device) for t in self.rope)
         return AttentionCall(call.module, hidden, rope, None, self.valid.to(hidden.device),
                              offset=self.length - hidden.shape[1])
 
@@ -302,7 +305,12 @@ class SparseCache(RowState, Cache):
         if attention_mask is not None and attention_mask.ndim == 2:
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
+            if valid is not None:
+                check_left_padded(attention_mask)
         first, piece = self.prompt_lengths is None, self.pieces is not None
+        if first and q_len == 0:
+            raise ValueError("input_ids: the prompt is empty; give at least one token (a chat template's, or the "
+                             "tokenizer's bos_token_id).")
         if not first and batch != self.prompt_lengths.shape[0]:
             raise ValueError(
                 f"cache: it holds {self.prompt_lengths.shape[0]} rows and this forward has {batch}. generate expands "
@@ -322,15 +330,19 @@ class SparseCache(RowState, Cache):
             self.prompt_start = (seen - self.prompt_lengths).clamp(min=0)  # left padding: before the first piece
         if self.press.reads_input_ids and input_ids is None:
             raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
+        if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
+            raise ValueError(f"input_ids: token ids must be integers (torch.long); got {input_ids.dtype}.")
         start = time.perf_counter()
         self.press.begin_forward(self, self.forward)  # its plan is press work of this step (or of the prompt)
         self.seconds["compress" if first else "step"] += time.perf_counter() - start
 
     def before_layer(self, module: torch.nn.Module, hidden: torch.Tensor,
-                     position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> Any:
+                     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
         """Before layer `module.layer_idx`'s attention: the press's selection, then the mask (or `KEEP_MASK`)."""
         forward = self._open_forward(module.layer_idx)
         layer = self.layers[module.layer_idx]
+        if not rotary(module):  # the module leaves its queries and keys as they are (a NoPE layer)
+            position_embeddings = None
         call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings, None,
                                                                forward.input_valid)
         call.capture = self.press.reads_step_queries and layer.logical_len > 0  # after the prompt
@@ -457,7 +469,7 @@ class SparseCache(RowState, Cache):
         """What the cache holds now (see `CacheStats`)."""
         resident, attended, by_device, kv, offloaded = [], [], defaultdict(int), 0, 0
         for layer in self.layers:
-            if layer.keys is None or not layer.is_initialized:
+            if getattr(layer, "keys", None) is None or not layer.is_initialized:  # (or a linear-attention state)
                 resident.append(0)
                 attended.append(0.0)
                 continue
@@ -528,6 +540,18 @@ class SparseCache(RowState, Cache):
             union = (a | b).sum(-1).clamp(min=1)
             pairs.append(float(((a & b).sum(-1) / union).mean()))
         return pairs
+
+
+def check_left_padded(attention_mask: torch.Tensor) -> None:
+    """Refuse a 2D attention mask with padding after a real token (right padding, or gaps): a press counts each
+    row's tokens from its first real one, as generate pads decoder-only models (on the left)."""
+    mask = attention_mask.bool()
+    late = mask[:, :-1] & ~mask[:, 1:]  # a real token followed by padding
+    if bool(late.any()):
+        row = int(late.any(-1).long().argmax())
+        raise ValueError(f"attention_mask: row {row} has padding after its first real token (padded on the right?); "
+                         "sparsekv needs prompts padded on the left, as decoder-only generation does: set "
+                         "`tokenizer.padding_side = \"left\"` before tokenizing.")
 
 
 def check_joins_rows(press) -> None:

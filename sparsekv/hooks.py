@@ -18,13 +18,12 @@ from functools import partial
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import get_layer_types_and_kwargs
 
+from .architectures import check_model
 from .attention import query_projection
-from .cache import COMPRESSED_LAYER_TYPES, KEEP_MASK, SparseCache
+from .cache import KEEP_MASK, SparseCache
 
 logger = logging.getLogger("sparsekv")
-SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 _active: weakref.WeakSet = weakref.WeakSet()  # models with a press installed: presses do not nest
 
 
@@ -39,20 +38,6 @@ def _without_grad(hook):
         with torch.no_grad():
             return hook(*args)
     return run
-
-
-def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """The decoder's self-attention modules by layer index (transformers names them `...self_attn`)."""
-    found = {}
-    for name, module in model.named_modules():
-        if name.split(".")[-1] == "self_attn" and isinstance(getattr(module, "layer_idx", None), int):
-            found.setdefault(module.layer_idx, module)
-    return found
-
-
-def compressed_layers(config) -> list[int]:
-    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return [i for i, t in enumerate(types) if t in COMPRESSED_LAYER_TYPES]
 
 
 class Installation:
@@ -72,20 +57,12 @@ class Installation:
 @contextmanager
 def install(press, model: torch.nn.Module):
     """Context manager behind `press(model)`: every hook is removed on exit, also on an exception."""
-    modules = attention_modules(model)
-    if not modules:
-        raise ValueError(
-            f"model: no attention modules found in {type(model).__name__} (looked for decoder layers' "
-            "`self_attn` modules with a `layer_idx`); sparsekv supports transformers decoder-only models."
-        )
-    impl = model.config._attn_implementation
-    if impl not in SUPPORTED_ATTENTION:
-        raise ValueError(f"attn_implementation: {impl!r} is not supported; use one of {SUPPORTED_ATTENTION}.")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{type(press).__name__}(...)(model): model must be a transformers model (a torch.nn.Module); "
+                        f"got {type(model).__name__}.")
+    targets = check_model(model)
     if model in _active:
         raise ValueError("model: a sparsekv press is already installed on this model; presses do not nest.")
-    targets = [modules[i] for i in compressed_layers(model.config) if i in modules]
-    if not targets:
-        raise ValueError("model: it has no full-attention layers to compress (all are sliding-window or linear).")
     inst, handles = Installation(press, model), []
     _active.add(model)
     try:
@@ -122,6 +99,10 @@ def _before_model(inst: Installation, module, args, kwargs):
     elif not isinstance(cache, SparseCache):
         _refuse(inst, cache)
         return None
+    elif cache.press != inst.press:
+        raise ValueError(f"cache: it was built under {cache.press!r}, and this block installs {inst.press!r}; a "
+                         "cache holds its press's selection and state, so continue it under the press that built it "
+                         "(or start a new cache: pass none, or `press.make_cache(model)`).")
     if kwargs.get("output_attentions"):
         inst.warn("output_attentions", f"sparsekv: output_attentions under {type(inst.press).__name__}: a compressed "
                                        "layer's weights are over the slots its cache holds, in slot order "
@@ -265,7 +246,7 @@ def _before_attention(module, args, kwargs):
     if not isinstance(cache, SparseCache):
         return None
     hidden = kwargs.get("hidden_states", args[0] if args else None)
-    mask = cache.before_layer(module, hidden, kwargs["position_embeddings"])
+    mask = cache.before_layer(module, hidden, kwargs.get("position_embeddings"))
     if mask is KEEP_MASK:
         return None
     kwargs["attention_mask"] = mask

@@ -231,10 +231,11 @@ class KVLayer(RowState, CacheLayerMixin):
     def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
         """Keep, per row and head, the `budgets[row]` slots with the highest `scores` `(batch, heads, slots)`.
 
-        Slots scored `-inf` (padding) are never kept as real tokens. Rows with smaller budgets than the largest
-        get invalid filler slots, ordered first, so that validity stays shared by the heads of a row.
+        Slots scored `-inf` (padding) are never kept as real tokens: a row with fewer other slots than its budget
+        keeps those. Rows keeping fewer than the most get invalid filler slots, ordered first, so that validity
+        stays shared by the heads of a row.
         """
-        budgets = budgets.to(scores.device)
+        budgets = torch.minimum(budgets.to(scores.device), (scores > float("-inf")).sum(-1).amin(-1))
         n_keep = int(budgets.max())
         # A stable sort breaks ties (max-pooling makes plateaus) by position, the same with or without padding.
         top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_keep]
@@ -256,12 +257,15 @@ class KVLayer(RowState, CacheLayerMixin):
         self.compressed = True
 
     def evict(self, victim: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Drop one slot per row and head (`victim` `(batch, heads)`, real tokens). The drop is pending: the next
-        token takes the victim's slot, or `settle` moves the last slot there when anything else comes first.
+        """Drop one slot per row and head (`victim` `(batch, heads)`: real tokens, or a row's filler slot, the same
+        for each of its heads, where the row has room for one more token). The drop is pending: the next token
+        takes the victim's slot, or `settle` moves the last slot there when anything else comes first.
         `indices`: `victim_indices(victim, head_dim)` when the caller made them (for many layers at once);
         else they are made when the eviction is carried out."""
         if self.pending is not None:
             self.settle()
+        if not self.all_valid:  # a filler victim holds the next token from now on (a real one is real already)
+            self.held_valid().scatter_(1, victim[:, :1], True)
         self.pending, self.pending_indices = victim, indices
         self.compressed = True
 
@@ -530,10 +534,10 @@ class StoreLayer(KVLayer):
     def gather(self, slots: torch.Tensor, valid: torch.Tensor, all_valid: bool | None = None) -> None:
         """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `all_valid`:
         whether every one of them is real, when the caller knows (else read from `valid`, a wait on a GPU)."""
-        b, h, _, d = self.store_keys.shape
-        index = slots[:, None, :, None].expand(b, h, -1, d).to(self.store_keys.device)
-        self.keys = self.store_keys.gather(2, index).to(self.device)
-        self.values = self.store_values.gather(2, index).to(self.device)
+        b, h = self.store_keys.shape[:2]
+        index = slots[:, None, :, None].to(self.store_keys.device)
+        self.keys, self.values = (t.gather(2, index.expand(b, h, -1, t.shape[-1])).to(self.device)
+                                  for t in (self.store_keys, self.store_values))  # (values may be wider)
         self.positions = self.store_positions.gather(1, slots)[:, None, :].expand(b, h, -1).clone()
         self.valid = valid
         self.all_valid = bool(valid.all()) if all_valid is None else all_valid

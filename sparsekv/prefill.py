@@ -19,7 +19,8 @@ import torch
 from transformers import Cache, DynamicCache, GenerationConfig
 
 from .cache import SparseCache, check_joins_rows, join_layers
-from .hooks import _active, attention_modules, compressed_layers
+from .architectures import attention_modules, compressed_layers
+from .hooks import _active
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Prefill:
 
         def record(layer_idx, module, args, kwargs):
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            inputs[layer_idx] = (hidden, kwargs["position_embeddings"])
+            inputs[layer_idx] = (hidden, kwargs.get("position_embeddings"))
 
         try:
             for i in compressed_layers(model.config):
@@ -147,7 +148,7 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def prefill_rows(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  rows_at_once: int = 1) -> Cache:
     """The cache of a batch of prompts, prefilled `rows_at_once` rows at a time and joined, holding every prompt
     token but the last: compressed by the press installed on `model` (`SparseCache.join`), or the full cache

@@ -28,6 +28,8 @@ And two factories: `new_layer(layer_idx)` (a `KVLayer`, or a `StoreLayer` with t
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import numbers
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ import torch
 from .attention import AttentionCall
 from .cache import Forward, KVLayer, SparseCache
 from .hooks import install
+from .log import say_once
 from .state import RowState
 
 
@@ -60,13 +63,47 @@ def check_number(owner: str, name: str, value, *, integer: bool = False, low=Non
     return value
 
 
+# kvpress's spellings of sparsekv's options (what a user coming from kvpress writes first).
+KVPRESS_NAMES = {"n_sink": "n_sinks", "chunk_length": "chunk_size", "window": "window_size", "kernel": "kernel_size"}
+
+
+def check_arguments(cls, args: tuple, kwargs: dict) -> None:
+    """A TypeError naming the slip and the sparsekv spelling, for arguments the press class `cls` does not take:
+    a positional ratio, an unknown option (kvpress's `compression_ratio`, `n_sink`, ...)."""
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    positional = [f.name for f in fields if not f.kw_only]
+    name = cls.__name__
+    if len(args) > len(positional):
+        extra = args[len(positional)]
+        given = [*positional, f"ratio={extra!r}" if isinstance(extra, numbers.Real) else "ratio=..."]
+        raise TypeError(f"{name} takes its options by keyword: {name}({', '.join(given)}), not {name}(" +
+                        ", ".join(map(repr, args)) + ").")
+    names = {f.name for f in fields}
+    for key, value in kwargs.items():
+        if key in names:
+            continue
+        if key == "compression_ratio":
+            kept = f" (here ratio={1 - value:g})" if isinstance(value, numbers.Real) else ""
+            hint = ("kvpress's compression_ratio is the fraction of the KV cache removed; sparsekv's ratio is the "
+                    f"fraction kept: ratio = 1 - compression_ratio{kept}.")
+        elif key in KVPRESS_NAMES and KVPRESS_NAMES[key] in names:
+            hint = f"sparsekv spells it {KVPRESS_NAMES[key]}."
+        else:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {close[0]}?" if close else "it is not one of its options."
+        raise TypeError(f"{name}: unknown option {key}={value!r}: {hint} Its options: {', '.join(sorted(names))}.")
+
+
 @dataclass
 class Press:
     """Base of every press.
 
     Args:
-        ratio: fraction of each prompt's KV kept, in (0, 1]. 1.0 keeps everything (no compression).
-        budget: tokens of each prompt's KV kept (an alternative to `ratio`; give exactly one).
+        ratio: fraction of each prompt's KV kept, in (0, 1], rounded to tokens, and never fewer than the press
+            always keeps (`row_budgets`): on a short prompt it keeps more than `ratio`, and a prompt no longer than
+            that is kept whole. 1.0 keeps everything, decoding included (no compression).
+        budget: tokens of each prompt's KV kept (an alternative to `ratio`; give exactly one). A prompt no longer
+            than the budget is kept whole; a press that evicts while decoding holds the budget once it is reached.
 
     Capabilities (class attributes; what the driver does for the press):
         reads_input_ids: `begin_forward` reads token ids (a forward given embeddings is refused).
@@ -92,6 +129,18 @@ class Press:
     reads_step_queries: ClassVar[bool] = False
     reads_prompt_in_pieces: ClassVar[bool] = False
     joins_rows: ClassVar[bool] = False
+
+    def __new__(cls, *args, **kwargs):
+        """Refuse the common slips before the dataclass's own `__init__` does, with what to write instead."""
+        check_arguments(cls, args, kwargs)
+        return super().__new__(cls)
+
+    def __enter__(self):
+        raise TypeError(f"{type(self).__name__}: a press is applied to a model, `with {type(self).__name__}(...)(model):`"
+                        " (the press, called with the model); not `with press:`.")
+
+    def __exit__(self, *exc):  # (`with` looks for both before it calls `__enter__`)
+        return None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -159,34 +208,33 @@ class Press:
         the press's state. The default keeps it: right for state indexed by prompt slot or by row."""
 
     # --- helpers for presses ------------------------------------------------------------------------------------
-    def row_budgets(self, cache: SparseCache, minimum: int = 1, what: str = "1 token") -> torch.Tensor:
-        """Tokens each row keeps, `(batch,)`, from `ratio` or `budget`; set once per generation on the cache.
+    def row_budgets(self, cache: SparseCache, minimum: int = 1, what: str = "1 token", beside: int = 0
+                    ) -> torch.Tensor:
+        """Tokens each row keeps, `(batch,)`, set once per generation on the cache: `budget`, or `ratio` of the
+        row's prompt (rounded), and never fewer than the `minimum` tokens the press always keeps (described by
+        `what`, e.g. "window_size=32").
 
-        `minimum` tokens (described by `what`, e.g. "window_size=32") are what the press cannot do without:
-        a prompt or a budget smaller than that raises, naming the row.
+        A row whose prompt is no longer than its budget plus the `beside` tokens the press keeps besides it
+        cannot be compressed: it is kept whole (said once per process through the `sparsekv` logger, unless
+        `ratio=1.0` asked for that). Its budget stays what it is: a press that evicts while decoding holds it once
+        the row grows past it.
         """
         if cache.budgets is None:
-            name, lengths = type(self).__name__, cache.prompt_lengths
-            row = int(lengths.argmin())
-            shortest = int(lengths[row])
-            prompt = f"row {row}'s prompt" if len(lengths) > 1 else "the prompt"
-            if shortest < minimum:
-                raise ValueError(f"{name}: {prompt} ({shortest} tokens) is shorter than {what}; use a longer prompt.")
+            lengths = cache.prompt_lengths
             if self.budget is not None:
-                if self.budget > shortest:
-                    raise ValueError(f"{name}: budget={self.budget} is larger than {prompt} ({shortest} tokens); "
-                                     "budget must be at most the prompt length.")
-                budgets = torch.full_like(lengths, self.budget)
+                asked = torch.full_like(lengths, self.budget)
             else:
-                budgets = (lengths.double() * self.ratio).round().long().clamp(min=1)
-            if int(budgets.min()) < minimum:
-                asked = f"budget={self.budget}" if self.budget is not None else f"ratio={self.ratio}"
-                row = int(budgets.argmin())
-                raise ValueError(
-                    f"{name}: {asked} keeps {int(budgets[row])} tokens of "
-                    f"{f'row {row} ' if len(lengths) > 1 else 'a '}{int(lengths[row])}-token prompt, fewer than the "
-                    f"{minimum} it always keeps ({what}); raise the ratio or budget."
-                )
+                asked = (lengths.double() * self.ratio).round().long()
+            budgets = asked.clamp(min=minimum)
+            whole = budgets + beside >= lengths
+            if self.ratio != 1.0 and bool(whole.any()):
+                row = int(lengths.masked_fill(~whole, -1).argmax())
+                kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
+                say_once((type(self), "whole"), (
+                    f"sparsekv: {type(self).__name__} keeps a prompt of {int(lengths[row])} tokens"
+                    f"{f' (row {row})' if len(lengths) > 1 else ''} whole: the press keeps {int(budgets[row]) + beside}"
+                    f" tokens ({kept}{f' and {beside} always attended' if beside else ''}), no fewer than it holds. "
+                    "Such prompts are never compressed (said once)."))
             cache.budgets = budgets
         return cache.budgets
 
@@ -208,17 +256,28 @@ class Press:
         return bool((cache.budgets >= cache.prompt_lengths).all())
 
     @staticmethod
-    def victims(layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
-        """`(batch, heads)` the slot of each row and head with the lowest `scores`; filler slots are never victims."""
-        return Press.lowest_real(scores, None if layer.all_valid else layer.valid)
+    def victims(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
+        """`(batch, heads)` the slot of each row and head to evict (`lowest_real`): its lowest-`scores` real token,
+        or a filler slot where the row holds no more real tokens than its budget."""
+        if layer.all_valid:
+            return scores.argmin(dim=-1)
+        return Press.lowest_real(scores, layer.valid, cache.on("budgets", layer.device))
 
     @staticmethod
-    def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None, budgets: torch.Tensor | None = None
+                    ) -> torch.Tensor:
         """The slot with the lowest `scores` `(..., batch, heads, slots)` per row and head, among the real ones
-        (`valid` `(..., batch, slots)`; None: all are): one layer's, or several layers' stacked."""
-        if valid is not None:
-            scores = scores.masked_fill(~valid[..., None, :], float("inf"))
-        return scores.argmin(dim=-1)
+        (`valid` `(..., batch, slots)`; None: all are): one layer's, or several layers' stacked. With `budgets`
+        `(batch,)`: a row holding no more real tokens than its budget (a prompt kept whole, still growing) gives
+        its first filler slot instead, the same for every head, which the next token fills."""
+        if valid is None:
+            return scores.argmin(dim=-1)
+        victim = scores.masked_fill(~valid[..., None, :], float("inf")).argmin(dim=-1)
+        if budgets is not None:
+            room = valid.sum(-1) <= budgets  # (..., batch)
+            filler = (~valid).to(torch.int8).argmax(dim=-1)
+            victim = torch.where(room[..., None], filler[..., None], victim)
+        return victim
 
     @staticmethod
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:
@@ -233,7 +292,7 @@ class Press:
         if layer.slots <= budget:
             return
         if layer.slots == budget + 1:
-            layer.evict(Press.victims(layer, scores))
+            layer.evict(Press.victims(cache, layer, scores))
             return
         q = cache.forward.q_len
         if q <= int(cache.budgets.min()):

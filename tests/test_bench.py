@@ -256,7 +256,6 @@ def test_rows_apart_hold_what_the_batch_holds(model, tokenizer, monkeypatch):
         (dict(lengths=[600]), "exceeds the model's context (512 tokens)"),
         (dict(budgets=[300]), "--budgets: 300 exceeds the 200-token prompt"),
         (dict(budgets=[16]), "must be at least window_size=32"),
-        (dict(ratios=[0.1]), "keeps 20 tokens of a 200-token prompt, fewer than the 32"),  # at the warm-up
         (dict(ratios=[1.5]), "--ratios: each must be in (0, 1]"),
         (dict(max_new_tokens=1), "--max-new-tokens: at least 2"),
         (dict(repeats=0), "--repeats: at least 1"),

@@ -422,7 +422,8 @@ def test_the_papers_letter_is_one_option_away():
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "exactly one of preset"),
     ({"preset": "aggressive", "ratio": 0.1}, "exactly one of preset"),
-    ({"budget": 100}, "budget is not supported"),
+    ({"budget": 63}, r"budget must be an integer >= 64 \(tokens a step attends; \(sink_pages \+ window_pages \+ 1\)"),
+    ({"budget": 100, "ratio": 0.1}, "got ratio and budget"),
     ({"preset": "wild"}, "preset must be one of"),
     ({"ratios": (0.5, 0.2)}, "ratios must be three fractions"),
     ({"ratios": (0.5, 0.0, 0.1)}, r"ratios\[1\] must be in \(0, 1\]"),

@@ -446,7 +446,7 @@ def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
     def one_by_one(self, plan):
         for layer in plan.waiting:
             scores = self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, plan.start)
-            layer.evict(self.victims(layer, scores))
+            layer.evict(self.lowest_real(scores, None if layer.all_valid else layer.valid, plan.budgets))
         plan.waiting = []
 
     monkeypatch.setattr(Press_, "evict_together", one_by_one)

@@ -439,14 +439,6 @@ def test_dataclasses_replace_works(press_cls):
     assert changed.ratio == 0.5 and dataclasses.replace(press) == press
 
 
-@pytest.mark.parametrize("press_cls", [c for c in PRESSES if c is not CHESSPress], ids=lambda c: c.__name__)
-def test_a_row_too_short_for_its_budget_is_named(press_cls):
-    model = make_model("llama")
-    ids, mask = padded_batch(length=40, pad=25)  # row 1: 15 real tokens
-    with tiny_press(press_cls, budget=20)(model), pytest.raises(ValueError, match="row 1's prompt"):
-        model(ids, attention_mask=mask)
-
-
 def test_store_layers_are_core_layers():
     """CHESS and SentenceKV keep no layer class of their own: the core's store-backed layer serves both."""
     model = make_model("llama")

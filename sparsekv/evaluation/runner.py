@@ -334,7 +334,7 @@ class Evaluator:
             if error is not None:
                 raise ValueError(error)
             reply, held = answer(self.model, self.tokenizer, press, prompt, run.mode, new_tokens, prefill)
-        except ValueError as err:  # e.g. a budget larger than the prompt: counted wrong, the sweep goes on
+        except ValueError as err:  # e.g. a budget below what the press keeps: counted wrong, the sweep goes on
             # Nothing was held: the nominal share stands in, so the row still has a place on the plot.
             return {**record, "kv_fraction": kept, "attended_fraction": kept, "prediction": "", "score": 0.0,
                     "error": str(err)}

@@ -51,6 +51,8 @@ class CHESSState(RowState):
             vectors are next read (at a selection), all layers at once, instead of layer by layer at every step.
         rope: the `(cos, sin)` of each decoding step since `summed`, to undo RoPE on those keys (`pre_rope`).
         last_rope: the `(cos, sin)` of the last forward, to take a rejected draft's keys back out (`crop`).
+        rope_layer: the first compressed layer whose keys carry RoPE, which records `rope` for all of them (they
+            share the rotary table); None when none does. `unrotated`: the layers whose keys do not (NoPE layers).
     """
 
     page_sums: torch.Tensor | None = None
@@ -62,6 +64,8 @@ class CHESSState(RowState):
     summed: int = 0
     rope: list = field(default_factory=list)
     last_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    rope_layer: int | None = None
+    unrotated: set[int] = field(default_factory=set)
 
 
 @dataclass(kw_only=True)
@@ -98,7 +102,7 @@ class CHESSPress(Press):
     the text of the three papers sparsekv implements (6.74 nats, 12.4 nats^2; Qwen2.5-0.5B-Instruct gives 6.43
     and 13.2); a re-selection requires both thresholds crossed.
 
-    Give one of `preset`, `ratios` or `ratio`.
+    Give one of `preset`, `ratios`, `ratio` or `budget`.
 
     Args:
         preset: "conservative" (0.9, 0.9, 0.9), "moderate" (0.8, 0.7, 0.7) or "aggressive" (0.5, 0.2, 0.1),
@@ -107,6 +111,9 @@ class CHESSPress(Press):
             selected, each in (0, 1].
         ratio: the fraction of candidate pages selected, split evenly over the three levels
             (rho = ratio ** (1 / 3) each; sparsekv's shorthand, to sweep CHESS on the same axis as other presses).
+        budget: tokens a step attends after a selection, sink, window and partial pages included: per row, the
+            `ratio` whose pages fill what the budget leaves (sparsekv's, as the other presses' `budget`); at least
+            (sink_pages + window_pages + 1) * page_size. A prompt no longer than it is attended whole.
         page_size: tokens per page (default 16, sparsekv's; the paper's is 32, sec. 5.1). A page vector then
             averages half as much unrelated text around what matters, and the sink and window pages attend
             half as many tokens at the same ratio (docs/results.md, "CHESS with smaller pages").
@@ -178,12 +185,11 @@ class CHESSPress(Press):
         for key, ours, papers in (("page_size", 16, 32), ("pooling", "max", "mean"), ("centre", True, False)):
             if getattr(self, key) is None:
                 setattr(self, key, papers if self.paper else ours)
-        given = [k for k in ("preset", "ratios", "ratio") if getattr(self, k) is not None]
-        if len(given) != 1 or self.budget is not None:
+        given = [k for k in ("preset", "ratios", "ratio", "budget") if getattr(self, k) is not None]
+        if len(given) != 1:
             raise ValueError(f"{name}: give exactly one of preset ({', '.join(PRESETS)}), ratios=(rho_g, rho_c, "
-                             f"rho_p) or ratio (fraction of pages selected, 0 < ratio <= 1); budget is not "
-                             f"supported (CHESS budgets are nested ratios); got {given or 'none'}"
-                             f"{', budget' if self.budget is not None else ''}.")
+                             f"rho_p), ratio (fraction of pages selected, 0 < ratio <= 1) or budget (tokens a step "
+                             f"attends); got {' and '.join(given) if given else 'none'}.")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"{name}: preset must be one of {', '.join(PRESETS)}; got {self.preset!r}.")
         if self.ratio is not None:
@@ -198,6 +204,11 @@ class CHESSPress(Press):
         for key, low in (("page_size", 1), ("chunk_pages", 1), ("grid_chunks", 1), ("sink_pages", 0),
                          ("window_pages", 1)):
             setattr(self, key, check_number(name, key, getattr(self, key), integer=True, low=low))
+        if self.budget is not None:  # at least the pages always attended: sinks, window and the partial page
+            least = (self.sink_pages + self.window_pages + 1) * self.page_size
+            self.budget = check_number(name, "budget", self.budget, integer=True, low=least,
+                                       unit=f"tokens a step attends; (sink_pages + window_pages + 1) * page_size = "
+                                            f"{least} are always attended")
         if self.page_stride is None:
             self.page_stride = self.page_size if self.paper or self.page_size % 2 else self.page_size // 2
         self.page_stride = check_number(name, "page_stride", self.page_stride, integer=True, low=1,
@@ -227,6 +238,20 @@ class CHESSPress(Press):
             return self.ratios
         return (self.ratio ** (1 / 3),) * 3
 
+    def retention_for(self, lengths: torch.Tensor) -> tuple:
+        """`retention`, or with `budget`, per row `(batch,)`: the fraction of a row's candidate tokens that fills
+        the budget beside the tokens always attended (sink, window and partial pages), split evenly over the
+        levels as `ratio` is; 1 when everything fits."""
+        if self.budget is None:
+            return self.retention
+        n_blocks = int((-(-lengths // self.page_stride)).max())
+        always, candidate = self.block_roles(lengths, n_blocks)
+        start = torch.arange(n_blocks, device=lengths.device) * self.page_stride
+        tokens = (lengths[:, None] - start).clamp(0, self.page_stride)  # (batch, blocks)
+        spare = (self.budget - (tokens * always).sum(-1)).clamp(min=1)
+        fraction = (spare / (tokens * candidate).sum(-1).clamp(min=1)).clamp(max=1.0).double()
+        return (fraction ** (1 / 3),) * 3
+
     def new_layer(self, layer_idx: int) -> StoreLayer:
         return StoreLayer(records_tokens=True)  # every token stays in the store; attention reads a working set
 
@@ -236,13 +261,17 @@ class CHESSPress(Press):
 
     # --- page vectors (eq. 1), brought up to date ----------------------------------------------------------------
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        self._accumulate(cache, layer, call.module.layer_idx, 0, call.position_embeddings)
-        cache.state.summed = layer.logical_len
-        cache.state.last_rope = call.position_embeddings
+        state, i = cache.state, call.module.layer_idx
+        self._accumulate(cache, layer, i, 0, call.position_embeddings)
+        state.summed = layer.logical_len
+        if call.position_embeddings is None:
+            state.unrotated.add(i)
+        elif state.rope_layer in (None, i):
+            state.rope_layer, state.last_rope = i, call.position_embeddings
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         state = cache.state
-        if self.pre_rope and state.columns[call.module.layer_idx] == 0:  # all compressed layers share the rotary table
+        if self.pre_rope and call.module.layer_idx == state.rope_layer:  # the rotary layers share the table
             state.rope.append(call.position_embeddings)
             state.last_rope = call.position_embeddings
 
@@ -255,7 +284,7 @@ class CHESSPress(Press):
             return
         rope = tuple(torch.cat(parts, dim=1) for parts in zip(*state.rope)) if self.pre_rope else None
         for i, layer in layers.items():
-            self._accumulate(cache, layer, i, state.summed, rope)
+            self._accumulate(cache, layer, i, state.summed, None if i in state.unrotated else rope)
         state.summed, state.rope = end, []
 
     def _accumulate(self, cache, layer, layer_idx, start, rope, end=None, sign=1.0):
@@ -290,14 +319,15 @@ class CHESSPress(Press):
         end = cache.layers[next(iter(state.columns))].logical_len
         if state.summed > length:
             rope = None
-            if self.pre_rope:
+            if self.pre_rope and state.last_rope is not None:
                 first = end - state.last_rope[0].shape[1]  # the last forward's first position
                 if length < first:
                     raise ValueError(f"CHESSPress: can only crop the last forward's tokens (from {first}); "
                                      f"asked to crop from {length}.")
                 rope = tuple(t[:, length - first: state.summed - first] for t in state.last_rope)
             for i in state.columns:
-                self._accumulate(cache, cache.layers[i], i, length, rope, end=state.summed, sign=-1.0)
+                self._accumulate(cache, cache.layers[i], i, length, None if i in state.unrotated else rope,
+                                 end=state.summed, sign=-1.0)
             state.summed, state.rope = length, []
         elif state.rope:
             cos, sin = (torch.cat(parts, dim=1) for parts in zip(*state.rope))
@@ -392,11 +422,13 @@ class CHESSPress(Press):
         `(batch, pages)`, for rows of `lengths` real tokens (page k starts at block k: `blocks_of` gives the blocks
         attention reads). Chunks and grids group consecutive pages."""
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
-        return self.select_by((vectors @ anchor[:, :, None])[..., 0], candidate)  # eq. 4 for every page: one GEMM
+        scores = (vectors @ anchor[:, :, None])[..., 0]  # eq. 4 for every page: one GEMM
+        return self.select_by(scores, candidate, self.retention_for(lengths))
 
-    def select_by(self, s_page: torch.Tensor, candidate: torch.Tensor
+    def select_by(self, s_page: torch.Tensor, candidate: torch.Tensor, retention: tuple | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Algorithm 1 from the pages' scores `s_page` and the candidate pages, both `(batch, pages)`: as `select`."""
+        """Algorithm 1 from the pages' scores `s_page` and the candidate pages, both `(batch, pages)`: as `select`
+        (`retention`: `retention_for` the rows, default `retention`)."""
         n_pages = s_page.shape[1]
         # Eq. 2 then eq. 4: a chunk's (grid's) vector is the mean of its candidate children, and the dot product is
         # linear, so its score is the mean of their scores; "max" pooling scores it by its best child instead.
@@ -404,7 +436,7 @@ class CHESSPress(Press):
         s_chunk, chunk_in = self._pool(nn.functional.pad(s_page, (0, pad)), nn.functional.pad(candidate, (0, pad)),
                                        self.chunk_pages)
         s_grid, grid_in = self._pool(s_chunk, chunk_in, self.grid_chunks)
-        rho_g, rho_c, rho_p = self.retention
+        rho_g, rho_c, rho_p = self.retention if retention is None else retention
         keep_grid = top_fraction(s_grid, grid_in, rho_g)
         active = keep_grid.repeat_interleave(self.grid_chunks, dim=1) & chunk_in
         keep_chunk = top_fraction(s_chunk, active, rho_c)
@@ -495,10 +527,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
     return (x * weight).sum(dim) / weight.sum(dim).clamp(min=1)
 
 
-def top_fraction(scores: torch.Tensor, active: torch.Tensor, rho: float) -> torch.Tensor:
-    """Active entries at or above the `1 - rho` quantile of the active scores of their row (Algorithm 1)."""
-    masked = scores.masked_fill(~active, float("nan"))
-    threshold = masked.nanquantile(1 - rho, dim=-1, keepdim=True)
+def top_fraction(scores: torch.Tensor, active: torch.Tensor, rho: float | torch.Tensor) -> torch.Tensor:
+    """Active entries at or above the `1 - rho` quantile of the active scores of their row (Algorithm 1); `rho`
+    one fraction, or one per row `(batch,)` (a budget), interpolated as `torch.quantile` does."""
+    if not isinstance(rho, torch.Tensor):
+        threshold = scores.masked_fill(~active, float("nan")).nanquantile(1 - rho, dim=-1, keepdim=True)
+        return active & (scores >= threshold)
+    ranked = scores.masked_fill(~active, float("inf")).sort(dim=-1).values  # the active ones first, ascending
+    at = ((1 - rho.to(scores.device)) * (active.sum(-1) - 1).clamp(min=0))[:, None]  # (batch, 1), fractional
+    low, high = (ranked.gather(-1, i.long().clamp(min=0)) for i in (at.floor(), at.ceil()))
+    threshold = low + (at - at.floor()).to(scores.dtype) * (high - low)
     return active & (scores >= threshold)
 
 

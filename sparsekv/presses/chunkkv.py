@@ -44,8 +44,9 @@ class ChunkPress(SnapKVPress):
     layers sparsekv compresses (Gemma3's sliding layers are skipped, not counted).
 
     Args:
-        ratio: fraction of each prompt's KV kept, window included, in (0, 1].
-        budget: tokens kept per prompt, window included.
+        ratio: fraction of each prompt's KV kept, window included, in (0, 1]; at least the window (a prompt no
+            longer than it is kept whole).
+        budget: tokens kept per prompt, window included (at least `window_size`).
         window_size: SnapKV's observation window, in tokens (default 32, see `SnapKVPress`).
         kernel_size: SnapKV's pooling kernel, in tokens (default 7, the SnapKV configs; not `SnapKVPress`'s 15:
             whole chunks already keep a value's neighbours, and 15 lost a multi-key needle in the measured cells).
@@ -107,6 +108,8 @@ class ChunkPress(SnapKVPress):
         fits = (sizes.gather(1, order).cumsum(1) <= room) & chunk_scores.gather(1, order).isfinite()
         chosen = torch.zeros_like(fits).scatter_(1, order, fits)
         keep = chosen.gather(1, chunk) & real
-        out = torch.full((b, 1, n), float("inf"), device=device)  # the window
+        window = valid[:, m:]  # (all real but in a row shorter than the window, kept whole)
+        out = torch.full((b, 1, n), float("inf"), device=device)
+        out[:, 0, m:] = out[:, 0, m:].masked_fill(~window, float("-inf"))
         out[:, 0, :m] = torch.where(keep, 0.0, float("-inf"))
-        return out, keep.sum(-1) + self.window_size
+        return out, keep.sum(-1) + window.sum(-1)

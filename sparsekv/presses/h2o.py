@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall, attention_probs, rotate_projections
+from ..attention import AttentionCall, attention_probs, query_norm, rotate_projections
 from ..cache import Forward, KVLayer, SparseCache, victim_indices
 from ..press import Press, check_number
 
@@ -27,8 +27,10 @@ class H2OPress(Press):
     in one product (`add_deferred`).
 
     Args:
-        ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1].
-        budget: tokens kept per sequence (heavy + recent).
+        ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1], held while decoding; at least 1
+            token. 1.0 evicts nothing.
+        budget: tokens kept per sequence (heavy + recent): a shorter prompt is kept whole, and its row grows to
+            the budget while decoding before it evicts.
         recent_ratio: share of the budget reserved for the most recent tokens (default 0.5: the paper's even
             heavy / recent split, sec. 5).
         block_size: prompt queries scored at once at prefill (memory vs speed; not part of the method).
@@ -58,7 +60,7 @@ class H2OPress(Press):
         layers = cache.compressed_layers()
         if cache.budgets is not None and layers:
             start = self.recent_start(cache, layers[0].logical_len + forward.q_len, layers[0].device)
-            forward.plan = _Step(start, cache.largest_budget, layers[-1])
+            forward.plan = _Step(start, cache.largest_budget, layers[-1], cache.on("budgets", layers[0].device))
 
     @staticmethod
     def heavy_scores(received: torch.Tensor, positions: torch.Tensor, length: int,
@@ -77,14 +79,16 @@ class H2OPress(Press):
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
-        if self.keeps_everything(cache):
-            layer.extra.pop("received", None)  # (a prompt read in pieces) nothing to score, as in one forward
+        if self.ratio == 1.0:  # everything kept, decoding included: nothing to score
+            layer.extra.pop("received", None)  # (a prompt read in pieces) as in one forward
             return
-        # The prompt's received attention does not depend on the budget: replays of one prompt share it.
+        # The prompt's received attention does not depend on the budget: replays of one prompt share it. A prompt
+        # kept whole needs it too: its budget is held once decoding grows past it.
         received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(layer, call))
         layer.extra["received"] = received.clone()
-        scores = self.layer_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
-        layer.keep(scores, budgets)
+        if not self.keeps_everything(cache):
+            scores = self.layer_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
+            layer.keep(scores, budgets)
 
     def received(self, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
         """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`: from
@@ -111,7 +115,7 @@ class H2OPress(Press):
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         plan = cache.forward.plan
-        if layer.compressed:
+        if self.ratio != 1.0:  # (ratio=1.0 keeps everything)
             if call.q_len == 1 and layer.slots == plan.budget + 1:
                 plan.waiting.append(layer)  # one victim to find: with the other layers', at the last layer
                 if not self._defer(plan, layer, call):
@@ -128,7 +132,7 @@ class H2OPress(Press):
         """Keep a one-token step's query projection for `add_deferred` (its attention row is needed only for the
         victim found after the last layer), when its row needs no mask and its RoPE is the step's shared matrix."""
         if call.weights is not None or call.scaled_rope is None or call.input_valid is not None or \
-                not layer.all_valid or hasattr(call.module, "q_norm") or \
+                not layer.all_valid or query_norm(call.module) is not None or \
                 plan.deferred and plan.deferred[0][1].scaled_rope is not call.scaled_rope:
             return False
         plan.deferred.append((layer, call))
@@ -173,7 +177,8 @@ class H2OPress(Press):
             scores = self.heavy_scores(torch.stack([layer.extra["received"] for layer in layers]), positions,
                                        layers[0].logical_len, plan.start.to(positions.device))
             valid = None if all(layer.all_valid for layer in layers) else torch.stack([layer.valid for layer in layers])
-            victims = self.lowest_real(scores, valid)
+            budgets = None if valid is None else plan.budgets.to(positions.device)
+            victims = self.lowest_real(scores, valid, budgets)
             slots, index = victim_indices(victims, layers[0].keys.shape[-1])  # every layer's, in one go
             for layer, victim, slot, idx in zip(layers, victims.unbind(), slots.unbind(), index.unbind()):
                 layer.evict(victim, (slot, idx))
@@ -188,10 +193,12 @@ class _Step:
         start: `(batch, 1, 1)` first position of each row's recent window.
         budget: the largest row budget: a layer holding one slot more evicts one token per row and head.
         last: the forward's last compressed layer, which evicts for the layers waiting in `waiting`.
+        budgets: `(batch,)` each row's budget (a row holding fewer real tokens fills a filler slot instead).
     """
 
     start: torch.Tensor
     budget: int
     last: KVLayer
+    budgets: torch.Tensor
     waiting: list[KVLayer] = field(default_factory=list)
     deferred: list[tuple[KVLayer, AttentionCall]] = field(default_factory=list)  # rows for `add_deferred`

@@ -98,6 +98,9 @@ def split_specs(text: str) -> list[str]:
 
 def parse_spec(spec: str) -> tuple[type[Press], dict]:
     """`"name:key=value,..."` -> `(class, {key: value})`, each value checked against its field's type."""
+    if not isinstance(spec, str):
+        raise TypeError(f"spec: a press spec is a string, `name` or `name:key=value,...` such as "
+                        f"'snapkv:ratio=0.1'; got {type(spec).__name__} {spec!r}.")
     name, _, rest = spec.strip().partition(":")
     cls = press_class(name)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -122,7 +125,7 @@ def check_spec(spec: str, **options) -> None:
     tokenizer (values are checked then too)."""
     cls, parsed = parse_spec(spec)
     if not needs_tokenizer(cls):
-        _build(cls, spec, {**options, **parsed}, None)
+        _build(cls, spec, parsed, options, None)
 
 
 def make_press(spec: str, tokenizer: Any = None, **options) -> Press:
@@ -131,7 +134,7 @@ def make_press(spec: str, tokenizer: Any = None, **options) -> Press:
     cls, parsed = parse_spec(spec)
     if needs_tokenizer(cls) and tokenizer is None:
         raise ValueError(f"{cls.__name__} needs the model's tokenizer: make_press({spec!r}, tokenizer=tokenizer).")
-    return _build(cls, spec, {**options, **parsed}, tokenizer)
+    return _build(cls, spec, parsed, options, tokenizer)
 
 
 def resolved_options(spec: str, **options) -> str:
@@ -141,23 +144,30 @@ def resolved_options(spec: str, **options) -> str:
     options over them."""
     cls, parsed = parse_spec(spec)
     values = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    values.update({**options, **parsed})
+    values.update(_options(cls, parsed, options))
     if not needs_tokenizer(cls):
         try:
-            press = _build(cls, spec, {**options, **parsed}, None)
+            press = _build(cls, spec, parsed, options, None)
             values = {f.name: getattr(press, f.name) for f in dataclasses.fields(press)}
         except ValueError:
             pass
     return ", ".join(f"{k}={v!r}" for k, v in values.items() if k != "tokenizer")
 
 
-def _build(cls, spec: str, options: dict, tokenizer) -> Press:
-    if any(key in options for key in cls.budget_options):  # e.g. chess:preset=aggressive sets the budget itself
-        options = {k: v for k, v in options.items() if k not in ("ratio", "budget") or k in cls.budget_options}
-    options = {k: v for k, v in options.items() if v is not None or k not in ("ratio", "budget")}
+def _options(cls, parsed: dict, defaults: dict) -> dict:
+    """The options a press is built with: the spec's own over `defaults` (a sweep's ratio), whose ratio and budget
+    give way when the spec sets its budget (its ratio, budget, or e.g. CHESS's preset); the spec's own are all
+    kept, so that one that gives two is refused as the class refuses it."""
+    if any(key in parsed for key in ("ratio", "budget", *cls.budget_options)):
+        defaults = {k: v for k, v in defaults.items() if k not in ("ratio", "budget")}
+    options = {**defaults, **parsed}
+    return {k: v for k, v in options.items() if v is not None or k not in ("ratio", "budget")}
+
+
+def _build(cls, spec: str, parsed: dict, defaults: dict, tokenizer) -> Press:
     args = (tokenizer,) if needs_tokenizer(cls) else ()
     try:
-        return cls(*args, **options)
+        return cls(*args, **_options(cls, parsed, defaults))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{spec!r}: {err}") from None
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..attention import AttentionCall, rotate, rotate_projections
+from ..attention import AttentionCall, query_norm, rotate, rotate_projections
 from ..cache import Forward, KVLayer, SparseCache, StoreLayer
 from ..layers import flat_index, gather_rows, offloaded
 from ..press import check_number
@@ -161,7 +161,8 @@ class SentencePress(SnapKVPress):
         budget: tau, stored prompt tokens loaded and attended at each decoding step (Algorithm 1 line 17:
             "retrieve top-tau tokens"); the `n_sinks` sinks and the recent window are attended besides (the
             authors' code instead loads tau - 64, counting them in tau).
-        ratio: tau as a fraction of each prompt, instead of `budget`.
+        ratio: tau as a fraction of each prompt, instead of `budget`. A prompt no longer than tau plus the sinks
+            and the window is kept whole (every token attended, nothing offloaded).
         keep_factor: r, prompt tokens kept in the store per token of tau (default 2, sec. 4.1 "r = 2 or 3"; the
             paper's NIAH result uses 3).
         n_sinks: first prompt tokens always attended (default 32, the authors' code).
@@ -233,6 +234,11 @@ class SentencePress(SnapKVPress):
         except (RuntimeError, TypeError):
             raise ValueError(f"SentencePress: offload_device must be a torch device such as 'cpu'; got "
                              f"{self.offload_device!r}.") from None
+        try:  # a device this machine has (a CUDA one on a CPU-only torch fails at generate otherwise)
+            torch.empty(0, device=self.offload_device)
+        except (RuntimeError, AssertionError) as err:
+            raise ValueError(f"SentencePress: offload_device={self.offload_device!r} is not available here ({err}); "
+                             "use 'cpu' (the default).") from None
         super().__post_init__()
 
     def min_kept(self) -> tuple[int, str]:
@@ -269,22 +275,22 @@ class SentencePress(SnapKVPress):
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        taus = self.row_budgets(cache, *self.min_kept())
         fixed = self.n_sinks + self.window_size
-        if int(cache.prompt_lengths.min()) <= fixed:
-            row = int(cache.prompt_lengths.argmin())
-            prompt = f"row {row}'s prompt" if len(cache.prompt_lengths) > 1 else "the prompt"
-            raise ValueError(f"SentencePress: {prompt} ({int(cache.prompt_lengths[row])} tokens) must be longer "
-                             f"than n_sinks={self.n_sinks} + window_size={self.window_size}, which are always "
-                             f"attended; use a longer prompt or smaller n_sinks / window_size.")
+        taus = self.row_budgets(cache, *self.min_kept(), beside=fixed)
         if bool((taus + fixed >= cache.prompt_lengths).all()):  # every prompt token would be attended anyway
             return
         b, h, n, _ = layer.keys.shape
         device = layer.keys.device
         start = cache.on("prompt_start", device)[:, None]
-        index = torch.arange(n, device=device)
         valid = call.valid()
-        resident = ((index >= start) & (index < start + self.n_sinks)) | (index >= n - self.window_size)
+        # Attended at every step: each row's first n_sinks tokens and the last window_size. A row too short for both
+        # (kept whole beside longer ones) has them overlap, or reach into its padding: those slots are fillers.
+        sinks = start + torch.arange(self.n_sinks, device=device)
+        recent = (n - self.window_size + torch.arange(self.window_size, device=device)).expand(b, -1)
+        keep = torch.cat([sinks, recent], dim=1)  # (b, fixed), by position
+        real_slot = torch.cat([sinks < n - self.window_size, recent >= start], dim=1)
+        resident = torch.zeros(b, n + 1, dtype=torch.bool, device=device).scatter_(1, keep.where(real_slot, n), True)
+        resident, keep = resident[:, :n], keep.clamp(max=n - 1)
         # Global prefilter (A.7): the best r * tau prompt tokens, summed over the heads; sinks and window apart.
         scores = self.window_scores(cache, layer, call).sum(dim=1).masked_fill(resident | ~valid, float("-inf"))
         kept = (taus.double() * self.keep_factor).round().long().to(device)
@@ -300,9 +306,8 @@ class SentencePress(SnapKVPress):
         layer.state.loaded = int(taus.max())
         layer.state.fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]
         real = torch.arange(layer.state.loaded, device=device) < layer.state.fill[:, 0]  # (b, loaded)
-        keep = resident.nonzero()[:, 1].view(b, -1)  # every row has exactly n_sinks + window_size resident
         slots = torch.cat([keep.new_zeros(b, layer.state.loaded), keep], dim=1)[:, None].expand(b, h, -1)
-        layer.select(slots, torch.cat([real, valid.gather(1, keep)], dim=1))
+        layer.select(slots, torch.cat([real, real_slot & valid.gather(1, keep)], dim=1))
         layer.state.query_sum = torch.zeros(b, h, 1, layer.keys.shape[-1], device=device, dtype=torch.float32)
         if self.prompt_sentence:
             self._seed_queries(cache, layer, call)
@@ -324,6 +329,8 @@ class SentencePress(SnapKVPress):
         plain = rotate(layer.keys.float(), call.position_embeddings, inverse=True)
         mean = (plain * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
         b, r = store.shape
+        if call.position_embeddings is None:  # a layer without RoPE: the mean key is every token's
+            return mean
         at = [t.expand(b, -1, -1).gather(1, store[..., None].expand(-1, -1, t.shape[-1]))
               for t in call.position_embeddings]
         return rotate(mean.expand(-1, -1, r, -1), at)
@@ -339,8 +346,8 @@ class SentencePress(SnapKVPress):
         ids a row with fewer kept sentences does not use.
         """
         b, h, _, d = layer.keys.shape
-        gather = store[:, None, :, None].expand(b, h, -1, d)
-        keys, values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        keys, values = (t.gather(2, store[:, None, :, None].expand(b, h, -1, t.shape[-1]))
+                        for t in (layer.keys, layer.values))  # (values may be wider than keys)
         bucket = sentences.gather(1, store)
         prompt_sentences = int(sentences.max()) + 1
         present = torch.zeros(b, prompt_sentences + 1, dtype=torch.bool, device=store.device)
@@ -384,7 +391,7 @@ class SentencePress(SnapKVPress):
         start = time.perf_counter()
         stack = cache.state.stack
         if stack is not None and call.rope is not None and call.input_valid is None \
-                and not hasattr(call.module, "q_norm") and (stack.rope is None or stack.rope is call.rope):
+                and not query_norm(call.module) is not None and (stack.rope is None or stack.rope is call.rope):
             # `plan="step"`, one token: its projection is kept as it is, and every layer's is grouped and rotated
             # at once after the last layer (`_add_queries`): no op here.
             stack.projected[stack.ranks[call.module.layer_idx]], stack.rope = call.projected, call.rope

@@ -26,8 +26,9 @@ class SnapKVPress(ScorerPress):
     (`ZJ1-D2P` for `ZJ1-D26P`). `kernel_size=7` gives the paper's configs.
 
     Args:
-        ratio: fraction of each prompt's KV kept, window included, in (0, 1].
-        budget: tokens kept per prompt, window included (SnapKV's C).
+        ratio: fraction of each prompt's KV kept, window included, in (0, 1]; at least the window (a prompt no
+            longer than it is kept whole).
+        budget: tokens kept per prompt, window included (SnapKV's C; at least `window_size`).
         window_size: observation window, in tokens (default 32, SnapKV sec. 4).
         kernel_size: pooling kernel, in tokens, odd (default 15, sparsekv's, see above; the SnapKV LongBench
             configs use 7).

@@ -22,8 +22,10 @@ class StreamingLLMPress(Press):
     same positions: a decoding step finds its victim slot once, for all layers.
 
     Args:
-        ratio: fraction of each prompt's KV kept (sinks included), in (0, 1].
-        budget: tokens kept per sequence (sinks included).
+        ratio: fraction of each prompt's KV kept (sinks included), in (0, 1], held while decoding; at least
+            `n_sinks` + 1 tokens. 1.0 evicts nothing.
+        budget: tokens kept per sequence (sinks included): a shorter prompt is kept whole, and its row grows to
+            the budget while decoding before it rolls.
         n_sinks: attention-sink tokens always kept (default 4, paper sec. 3.2).
     """
 
@@ -52,13 +54,13 @@ class StreamingLLMPress(Press):
             layer.keep(scores, budgets)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if not layer.compressed:
+        if self.ratio == 1.0:  # everything kept, decoding included
             return
         if call.q_len == 1 and layer.slots == cache.largest_budget + 1:
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
             # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
             if cache.forward.plan is None:
-                victim = self.victims(layer, self.recency(cache, layer))
+                victim = self.victims(cache, layer, self.recency(cache, layer))
                 cache.forward.plan = victim, victim_indices(victim, layer.keys.shape[-1])
             victim, indices = cache.forward.plan
             if victim.device != layer.device:  # (a model split over devices)
