@@ -9,7 +9,6 @@ its own thread (a thread-local of the installation), so concurrent generations o
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 import threading
 import weakref
@@ -22,8 +21,8 @@ from transformers import DynamicCache
 from .architectures import check_model
 from .attention import query_projection
 from .cache import KEEP_MASK, SparseCache
+from .log import logger
 
-logger = logging.getLogger("sparsekv")
 _active: weakref.WeakSet = weakref.WeakSet()  # models with a press installed: presses do not nest
 
 

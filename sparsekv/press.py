@@ -231,10 +231,11 @@ class Press:
                 row = int(lengths.masked_fill(~whole, -1).argmax())
                 kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
                 say_once((type(self), "whole"), (
-                    f"sparsekv: {type(self).__name__} keeps a prompt of {int(lengths[row])} tokens"
-                    f"{f' (row {row})' if len(lengths) > 1 else ''} whole: the press keeps {int(budgets[row]) + beside}"
-                    f" tokens ({kept}{f' and {beside} always attended' if beside else ''}), no fewer than it holds. "
-                    "Such prompts are never compressed (said once)."))
+                    f"sparsekv: {type(self).__name__}: a prompt of {int(lengths[row])} tokens"
+                    f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "
+                    f"{int(budgets[row]) + beside} tokens the press keeps ({kept}"
+                    f"{f' and {beside} always attended' if beside else ''}). Prompts this short are never compressed "
+                    "(said once)."))
             cache.budgets = budgets
         return cache.budgets
 

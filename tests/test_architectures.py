@@ -26,8 +26,16 @@ from conftest import make_tokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from sparsekv import architectures
-from sparsekv import CHESSPress, ChunkPress, H2OPress, Press, SentencePress, SnapKVPress, StreamingLLMPress
+from sparsekv import (
+    CHESSPress,
+    ChunkPress,
+    H2OPress,
+    Press,
+    SentencePress,
+    SnapKVPress,
+    StreamingLLMPress,
+    architectures,
+)
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 # The sizes of every tiny model, where its config has the field.

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import logging
 import types
 import typing
 from importlib.metadata import entry_points
 from typing import Any
 
+from ..log import logger
 from ..press import Press
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
@@ -27,7 +27,6 @@ from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
 
-logger = logging.getLogger("sparsekv")
 ENTRY_POINT_GROUP = "sparsekv.presses"
 BUILT_IN: dict[str, type[Press]] = {
     "snapkv": SnapKVPress,

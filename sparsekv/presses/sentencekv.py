@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -15,12 +14,11 @@ from torch import nn
 from ..attention import AttentionCall, query_norm, rotate, rotate_projections
 from ..cache import Forward, KVLayer, SparseCache, StoreLayer
 from ..layers import flat_index, gather_rows, offloaded
+from ..log import logger
 from ..press import check_number
 from ..segment import closes_sentence, sentence_ids
 from ..state import RowState, padded
 from .snapkv import SnapKVPress
-
-logger = logging.getLogger("sparsekv")
 
 
 @dataclass
