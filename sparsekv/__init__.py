@@ -3,53 +3,66 @@
     from sparsekv import SnapKVPress
     with SnapKVPress(ratio=0.1)(model):
         model.generate(...)
+
+The names below are imported when first used (`import sparsekv` loads neither torch nor transformers, so the
+command line starts fast), and `pipeline("sparsekv-text-generation")` is registered with transformers' pipelines
+as soon as they are imported, before or after sparsekv (`sparsekv.pipeline`).
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
-from .cache import CacheStats, Forward, KVLayer, SparseCache, StoreLayer
-from .pipeline import SparseKVPipeline  # registers pipeline("sparsekv-text-generation")
-from .prefill import prefill_rows
-from .press import Press, ScorerPress
-from .presses import (
-    CHESSPress,
-    ChunkKVPress,
-    ChunkPress,
-    H2OPress,
-    SentenceKVPress,
-    SentencePress,
-    SnapKVPress,
-    StreamingLLMPress,
-    make_press,
-    registered,
-)
-from .state import RowState
+from ._pipeline_task import register_when_pipelines_load
 
 try:
     __version__ = _version("sparsekv")  # pyproject.toml is the one place the version is written
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = [
-    "CHESSPress",
-    "CacheStats",
-    "ChunkKVPress",
-    "ChunkPress",
-    "Forward",
-    "H2OPress",
-    "KVLayer",
-    "Press",
-    "RowState",
-    "ScorerPress",
-    "SentenceKVPress",
-    "SentencePress",
-    "SnapKVPress",
-    "SparseCache",
-    "SparseKVPipeline",
-    "StoreLayer",
-    "StreamingLLMPress",
-    "make_press",
-    "prefill_rows",
-    "registered",
-]
+# Public name -> the module that defines it.
+_WHERE = {
+    "CacheStats": ".cache", "Forward": ".cache", "KVLayer": ".cache", "SparseCache": ".cache", "StoreLayer": ".cache",
+    "SparseKVPipeline": ".pipeline", "prefill_rows": ".prefill", "Press": ".press", "ScorerPress": ".press",
+    "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses", "ChunkPress": ".presses",
+    "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses", "SnapKVPress": ".presses",
+    "StreamingLLMPress": ".presses", "make_press": ".presses", "registered": ".presses",
+}
+__all__ = sorted(_WHERE)
+
+register_when_pipelines_load()
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'sparsekv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value  # once: later reads find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from .cache import CacheStats, Forward, KVLayer, SparseCache, StoreLayer
+    from .pipeline import SparseKVPipeline
+    from .prefill import prefill_rows
+    from .press import Press, ScorerPress
+    from .presses import (
+        CHESSPress,
+        ChunkKVPress,
+        ChunkPress,
+        H2OPress,
+        SentenceKVPress,
+        SentencePress,
+        SnapKVPress,
+        StreamingLLMPress,
+        make_press,
+        registered,
+    )
+    from .state import RowState

@@ -73,3 +73,24 @@ def test_docs_hold_no_placeholders():
              for path in [root / "README.md", root / "CHANGELOG.md", *sorted((root / "docs").rglob("*.md"))]
              for number, line in enumerate(path.read_text().splitlines(), 1) if placeholder.match(line.strip())]
     assert not found, found
+
+
+def test_the_help_lists_what_the_library_has():
+    """The command line's help names the presses, tasks and dtypes without importing them (a quick `--help`):
+    its lists are the registry's, the tasks' and the models' own."""
+    from sparsekv.cli.args import DTYPES, PRESS_NAMES, TASK_NAMES
+    from sparsekv.evaluation import TASKS
+    from sparsekv.models import DTYPES as MODEL_DTYPES
+    from sparsekv.presses.registry import BUILT_IN
+
+    assert PRESS_NAMES == tuple(BUILT_IN) and TASK_NAMES == tuple(TASKS) and DTYPES == MODEL_DTYPES
+
+
+def test_import_and_help_load_no_torch():
+    """`import sparsekv` and `sparsekv --help` load neither torch nor transformers (seconds of start-up); the
+    first press used does."""
+    code = ("import sys, sparsekv; from sparsekv.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); "
+            "sparsekv.SnapKVPress; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True"], out

@@ -1,0 +1,95 @@
+"""What the commands share: argument types, the model placement options, and the names their help lists (kept
+here, without importing torch, so that `--help` is quick; tests check them against the registry, the tasks and
+`sparsekv.models`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+# The built-in presses (`sparsekv.presses.registry.BUILT_IN`), the local tasks (`sparsekv.evaluation.TASKS`) and
+# the dtypes of `sparsekv.models.placement`, as the help lists them.
+PRESS_NAMES = ("snapkv", "h2o", "streamingllm", "chunkkv", "sentencekv", "chess")
+TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
+              "common_words", "frequent_words", "passkey", "prose_number", "prose_code", "prose_name",
+              "prose_multikey")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PRESSES_HELP = (f"comma-separated, of: full, {', '.join(PRESS_NAMES)}, or an installed plug-in's name; options "
+                "after the name: chunkkv:reuse_layers=1")
+MODEL_HELP = "alias (smollm2-135m, qwen2.5-0.5b), .gguf file, model folder or Hub id (default: %(default)s)"
+
+
+def fraction(zero_allowed: bool) -> Callable[[str], float]:
+    """An argparse type: a float in (0, 1], or [0, 1] when `zero_allowed`."""
+    interval = "[0, 1]" if zero_allowed else "(0, 1]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (0 <= value <= 1 if zero_allowed else 0 < value <= 1):
+            raise argparse.ArgumentTypeError(f"must be in {interval}; got {value}")
+        return value
+
+    return parse
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}; got {value}")
+        return value
+
+    return parse
+
+
+def placement_args(parser: argparse.ArgumentParser) -> None:
+    """`--device`, `--dtype`, `--device-map` and `--attn-implementation`, the same for demo, eval and bench."""
+    add = parser.add_argument
+    add("--device", default="auto", help="torch device: auto (CUDA when available, else CPU), cpu, cuda, cuda:1 "
+        "(default: %(default)s)")
+    add("--dtype", choices=DTYPES, default="auto",
+        help="auto: bfloat16 on a GPU, float32 on a CPU (default: %(default)s)")
+    add("--device-map", help="accelerate device map for models larger than one device, e.g. auto (replaces --device)")
+    add("--attn-implementation", choices=("sdpa", "eager", "flash_attention_2"), default="sdpa",
+        help="(default: %(default)s)")
+
+
+def placement(args: argparse.Namespace):
+    """`(device_map, dtype)` from the parsed placement options; bad values exit through `args.parser.error`."""
+    from ..models import placement as resolve
+
+    try:
+        device, dtype = resolve(args.device, args.dtype)
+    except ValueError as err:
+        args.parser.error(str(err))
+    return (args.device_map or device), dtype
+
+
+def csv(item_type: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type: a comma-separated list of `item_type` values."""
+
+    def parse(text: str) -> list:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("give at least one value")
+        return [item_type(item) for item in items]
+
+    return parse
+
+
+def press_specs(text: str) -> list[str]:
+    """An argparse type: comma-separated press specs, each with its options (`chunkkv:ratio=0.1,reuse_layers=1`)."""
+    from ..presses.registry import split_specs
+
+    specs = split_specs(text)
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one press")
+    return specs
