@@ -21,8 +21,7 @@ import torch
 from decode_vs_oracle import needle_prompt
 from random_models import load_from_arguments, model_arguments, model_placement
 
-from sparsekv.bench import PeakRSS, _release_memory
-from sparsekv.demo import timed_generate
+from sparsekv.bench import PeakRSS, _release_memory, timed_generate
 from sparsekv.evaluation.presses import make_press
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table

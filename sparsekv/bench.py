@@ -8,7 +8,7 @@ For every prompt length L, greedy generations of exactly `max_new_tokens` tokens
   `budget` tokens), i.e. what a perfect press keeping that many tokens would cost.
 
 Prompts are suffixes of one needle-in-a-haystack prompt (`sparsekv.niah`), so every length is exact and the
-question stays at the end. A logits processor stamps the time after every forward (as `demo.StepClock`):
+question stays at the end. A logits processor stamps the time after every forward (`StepClock`):
 prefill is the time to the first stamp, the decode latencies are the deltas between stamps. Each configuration
 is warmed up once on a short prompt, the repeats are interleaved across configurations (so drift in machine
 load hits all of them alike), and medians are reported. Peak memory is the process's resident set size above
@@ -31,11 +31,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from .cache import cache_footprint
-from .demo import timed_generate
 from .environment import environment
 from .evaluation.presses import check_press, known_presses, make_press
 from .models import require
@@ -45,6 +46,38 @@ from .table import format_table
 
 WARMUP_TOKENS = 1024  # warm-up prompt length (at most the configuration's own)
 WARMUP_NEW_TOKENS = 4
+
+
+class StepClock(LogitsProcessor):
+    """Records `time.perf_counter()` each time generate scores a next token, i.e. after every forward
+    (on a GPU, once the forward is done)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        if scores.is_cuda:
+            torch.cuda.synchronize(scores.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int, **kwargs):
+    """Greedy `generate`; returns `(output, seconds, step stamps)`, stamps relative to the start. The attention
+    mask defaults to every token (give `attention_mask=` for a left-padded batch)."""
+    clock = StepClock()
+    mask = kwargs.pop("attention_mask", None)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids) if mask is None else mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        logits_processor=LogitsProcessorList([clock]),
+        **kwargs,
+    )
+    return out, time.perf_counter() - start, [t - start for t in clock.stamps]
 
 
 @dataclass(frozen=True)
@@ -194,11 +227,22 @@ def step_latencies(stamps: list[float]) -> list[float]:
     return [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
 
 
+# Steps below which a latency slope is noise, not growth: a few milliseconds of jitter over 16 steps reads as
+# thousands of milliseconds per 1,000 tokens.
+MIN_SLOPE_STEPS = 32
+
+
 def slope_per_1k(latencies_ms: list[float]) -> float | None:
-    """Least-squares slope of latency (ms) over the generated-token index, in ms per 1,000 generated tokens."""
-    if len(latencies_ms) < 2:
+    """How much a decoding step's latency grows as the cache grows, in ms per 1,000 generated tokens: the median
+    of the slopes between pairs of steps (Theil-Sen, over at most 256 evenly spaced steps), which a slow step or
+    two does not swing as a least-squares fit does. None for fewer than `MIN_SLOPE_STEPS` steps."""
+    n = len(latencies_ms)
+    if n < MIN_SLOPE_STEPS:
         return None
-    return 1000 * statistics.linear_regression(range(len(latencies_ms)), latencies_ms).slope
+    x = np.unique(np.linspace(0, n - 1, min(n, 256)).round().astype(int))
+    y = np.asarray(latencies_ms, dtype=float)[x]
+    i, j = np.triu_indices(len(x), 1)
+    return 1000 * float(np.median((y[j] - y[i]) / (x[j] - x[i])))
 
 
 def running_median(values: list[float], window: int = 16) -> list[float]:
@@ -299,20 +343,20 @@ def summarize(runs: dict[Setting, list[dict]], triples, lengths) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    """The benchmark's table (the GPU column only when measured)."""
+    """The benchmark's table, within 120 columns: /oracle is the decode step against the oracle's, /full the
+    tokens/s against the full cache's; held and read are KV tokens per sequence (held, and attended per step);
+    ms/1k tok is how much a step slows per 1,000 generated tokens (`slope_per_1k`; runs of 32 steps or more). The
+    GPU column only when measured; the JSON (`--json`) has every measure (compress time, layer Jaccard, ...)."""
     columns = [
         ("config", "config", ""), ("length", "length", "d"), ("batch", "batch", "d"),
-        ("prefill s", "prefill_s", ".3f"), ("prefill/full", "prefill_vs_full", ".2f"),
-        ("compress s", "compress_s", ".3f"), ("decode ms/tok", "decode_ms", ".2f"),
-        ("press ms/tok", "press_ms", ".2f"), ("decode/full", "decode_vs_full", ".2f"),
-        ("decode/oracle", "decode_vs_oracle", ".2f"), ("tok/s", "tok_s", ".1f"), ("tok/s / full", "tok_vs_full", ".2f"),
-        ("slope ms/1k tok", "slope", ".2f"),
-        ("peak MB", "peak_mb", ".1f"), ("GPU peak MB", "cuda_peak_mb", ".1f"),
-        ("resident tok", "resident", ".0f"), ("attended tok", "attended", ".0f"),
-        ("KV MB", "kv_mb", ".2f"), ("KV/full", "kv_vs_full", ".3f"), ("layer Jaccard", "jaccard", ".3f"),
+        ("prefill s", "prefill_s", ".2f"), ("decode ms/tok", "decode_ms", ".2f"),
+        ("/oracle", "decode_vs_oracle", ".2f"), ("tok/s", "tok_s", ".1f"), ("/full", "tok_vs_full", ".2f"),
+        ("peak MB", "peak_mb", ".0f"), ("GPU peak MB", "cuda_peak_mb", ".0f"), ("KV MB", "kv_mb", ".1f"),
+        ("held tok", "resident", ".0f"), ("read tok", "attended", ".0f"), ("ms/1k tok", "slope", ".2f"),
     ]
-    if all(row["cuda_peak_mb"] is None for row in rows):
-        columns = [c for c in columns if c[1] != "cuda_peak_mb"]
+    for optional in ("cuda_peak_mb", "slope"):
+        if all(row[optional] is None for row in rows):
+            columns = [c for c in columns if c[1] != optional]
     return format_table(rows, columns)
 
 

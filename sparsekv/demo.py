@@ -1,52 +1,40 @@
 """A one-command demo: one needle-in-a-haystack prompt, the full cache against each press.
 
-    python -m sparsekv demo --tokens 2000 --ratio 0.1
+    sparsekv demo --tokens 2000 --ratio 0.1
+
+The prompt is read once (`Prefill`): every press compresses that same forward, as it would inside `generate`,
+and continues it greedily, so the demo costs one prefill and a few short decodes.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
-from tqdm.auto import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from .cache import cache_footprint
 from .niah import build_needle_prompt, score_answer
+from .prefill import Prefill
 from .presses.registry import BUILT_IN, make_press
 from .table import format_table
 
-
-class StepClock(LogitsProcessor):
-    """Records `time.perf_counter()` each time generate scores a next token, i.e. after every forward
-    (on a GPU, once the forward is done)."""
-
-    def __init__(self):
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        if scores.is_cuda:
-            torch.cuda.synchronize(scores.device)
-        self.stamps.append(time.perf_counter())
-        return scores
-
-
-def timed_generate(model, input_ids: torch.Tensor, max_new_tokens: int, **kwargs):
-    """Greedy `generate`; returns `(output, seconds, step stamps)`, stamps relative to the start. The attention
-    mask defaults to every token (give `attention_mask=` for a left-padded batch)."""
-    clock = StepClock()
-    mask = kwargs.pop("attention_mask", None)
-    start = time.perf_counter()
-    out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids) if mask is None else mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        return_dict_in_generate=True,
-        logits_processor=LogitsProcessorList([clock]),
-        **kwargs,
-    )
-    return out, time.perf_counter() - start, [t - start for t in clock.stamps]
+COLUMNS = [
+    ("press", "press", ""), ("answer", "answer", ""), ("correct", "correct", ""),
+    ("KV held", "resident", ".0f"), ("read per step", "attended", ".0f"), ("KV MB", "kv_mb", ".2f"),
+    ("press ms", "press_ms", ".0f"), ("decode ms/token", "decode_ms", ".1f"),
+]
+LEGEND = """\
+KV held: tokens of keys and values a layer holds per sequence at the end (prompt and generated), mean over layers.
+read per step: of those, the tokens a decoding step attends. KV MB: the keys and values held, every layer.
+press ms: the press's work on the prompt (scoring and selecting; the prefill itself is shared, timed above).
+decode ms/token: the decoding steps after the first token, per token.
+H2O and StreamingLLM are expected to miss at 10%: H2O keeps the tokens the whole prompt attended to most, and one
+needle sentence among thousands is not among them; StreamingLLM keeps the prompt's first and last tokens. The
+others rank tokens by what the question at the end attends to, and keep the needle.
+CHESS evicts nothing: it holds every token and reads, at each step, the pages that match the recent context, so
+its KV held is the full cache's, its read per step is about the ratio's, and its KV MB is a little more than the
+full cache's (room for the tokens to come, and a copy of the pages a step reads)."""
 
 
 def run_demo(
@@ -61,10 +49,13 @@ def run_demo(
 ) -> list[dict]:
     """Answer one needle question with the full cache and with each press at `ratio`; print and return a table.
 
-    Prefill time is that of a 1-token generation. Decode ms/token is the rest of the full generation over the
-    tokens after the first: `(total - first token) / (generated - 1)`, with the first token's time taken in
-    the same run (a separate run's prefill, noisier than a few decoding steps, can make it negative).
-    `dtype`, `attn_implementation` and `device_map` (a device, or an accelerate map) are `load_model`'s.
+    Args:
+        model_name: an offline model's alias (`sparsekv.models.MODELS`), a .gguf file or a model folder.
+        n_tokens: prompt length in tokens (chat template included).
+        ratio: fraction of the prompt's KV each press keeps (CHESS: of its pages it reads).
+        max_new_tokens: tokens generated per answer.
+        depth: where the needle sits, 0 (start) to 1 (end).
+        dtype, attn_implementation, device_map: as `sparsekv.models.load_model` takes them.
     """
     from .models import load_model
 
@@ -75,45 +66,32 @@ def run_demo(
         raise ValueError(f"n_tokens + max_new_tokens = {n_tokens + max_new_tokens} exceeds the context ({limit})")
     input_ids, answer = build_needle_prompt(tokenizer, n_tokens, depth=depth)
     input_ids = input_ids.to(model.device)
-    n_prompt = input_ids.shape[1]
-    print(f"model {model_name}: {n_prompt}-token prompt, needle at depth {depth:.0%}, answer {answer}, ratio {ratio}")
-
+    start = time.perf_counter()
+    prefill = Prefill.run(model, input_ids)
+    print(f"model {model_name}: {input_ids.shape[1]}-token prompt, needle at depth {depth:.0%}, answer {answer}, "
+          f"ratio {ratio}; prefill (shared by every press) {time.perf_counter() - start:.1f} s")
     configs = [("full cache", None)] + [(cls.label(), make_press(name, tokenizer=tokenizer, ratio=ratio))
                                         for name, cls in BUILT_IN.items()]
     rows = []
-    for name, press in tqdm(configs, desc="presses"):
-
-        def generate(n):
-            if press is None:
-                return timed_generate(model, input_ids, n)
-            with press(model):
-                return timed_generate(model, input_ids, n)
-
-        try:
-            _, prefill, _ = generate(1)
-        except ValueError as err:  # a press that cannot work at this budget says why
-            tqdm.write(f"{name}: skipped: {err}")
-            rows.append({"press": name, "answer": "(skipped)", "correct": "-", "resident": None, "attended": None,
-                         "kv_mb": None, "prefill_s": None, "decode_ms": None})
-            continue
-        out, total, stamps = generate(max_new_tokens)
-        new_tokens = out.sequences.shape[1] - n_prompt
-        text = " ".join(tokenizer.decode(out.sequences[0, n_prompt:], skip_special_tokens=True).split())
-        resident, attended, kv_bytes = cache_footprint(out.cache)
+    for name, press in configs:
+        start = time.perf_counter()
+        cache = copy.deepcopy(prefill.cache) if press is None else prefill.compress(press)
+        press_s = time.perf_counter() - start
+        start = time.perf_counter()
+        ids = prefill.generate(press, cache=cache, max_new_tokens=max_new_tokens)
+        decode_s = time.perf_counter() - start
+        new = ids[0, input_ids.shape[1]:]
+        text = " ".join(tokenizer.decode(new, skip_special_tokens=True).split())
+        resident, attended, kv_bytes = cache_footprint(cache)
         rows.append({
             "press": name,
             "answer": text if len(text) <= 30 else text[:27] + "...",
             "correct": "yes" if score_answer(text, answer) else "no",
-            "resident": resident,
-            "attended": attended,
-            "kv_mb": kv_bytes / 2**20,
-            "prefill_s": prefill,
-            "decode_ms": 1000 * (total - stamps[0]) / (new_tokens - 1) if new_tokens > 1 else None,
+            "resident": resident, "attended": attended, "kv_mb": kv_bytes / 2**20,
+            "press_ms": None if press is None else 1000 * press_s,
+            "decode_ms": 1000 * decode_s / (len(new) - 1) if len(new) > 1 else None,  # the first is the prefill's
         })
-    columns = [
-        ("press", "press", ""), ("answer", "answer", ""), ("correct", "correct", ""),
-        ("resident KV tokens", "resident", ".0f"), ("attended", "attended", ".0f"), ("KV MB", "kv_mb", ".2f"),
-        ("prefill s", "prefill_s", ".2f"), ("decode ms/token", "decode_ms", ".1f"),
-    ]
-    print(format_table(rows, columns))
+        print(f"  {name}: {text!r}", flush=True)
+    print(format_table(rows, COLUMNS))
+    print(LEGEND)
     return rows

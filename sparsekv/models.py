@@ -219,6 +219,28 @@ def placement(device: str = "auto", dtype: str = "auto") -> tuple[str, torch.dty
     return device, getattr(torch, dtype)
 
 
+def check_hub(name: str, timeout: float = 5.0) -> None:
+    """Raise `ModelFetchError` in one line, at once, when the Hub id `name` can be neither read from the local
+    Hugging Face cache nor fetched (the Hub unreachable): transformers would retry for most of a minute and end in a
+    long traceback."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # offline mode, or cached: transformers reads it (or says it is not there)
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as err:
+        raise ModelFetchError(
+            f"model {name!r}: the Hugging Face Hub ({constants.ENDPOINT}) is unreachable here ({getattr(err, 'reason', err)})"
+            f" and the model is not in its local cache; use an offline model ({', '.join(MODELS)}), a local .gguf "
+            "file or model folder, or fetch it where the Hub is reachable.") from None
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
                device_map=None):
     """Load ``(model, tokenizer)`` in eval mode.
@@ -238,6 +260,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementatio
     elif path.is_dir():
         source, extra = path, {}
     elif "/" in name and not path.exists():
+        check_hub(name)
         source, extra = name, {}
     else:
         raise ValueError(f"{name!r} is neither a known model alias ({', '.join(sorted(MODELS))}), "

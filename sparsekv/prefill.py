@@ -97,8 +97,8 @@ class Prefill:
 
         Returns `(batch, L + new)` ids like `generate`. Installs the press for the decoding steps unless it is
         installed already. Only greedy decoding without logits processors: the first token is the argmax of
-        the recorded logits. `cache`: this prompt's `compress(press)`, when the caller made it (to read it
-        afterwards: it is decoded in place); made here otherwise.
+        the recorded logits. `cache`: this prompt's `compress(press)` (or, with no press, a copy of `self.cache`),
+        when the caller made it (to read it afterwards: it is decoded in place); made here otherwise.
         """
         config = copy.deepcopy(generation_config or self.model.generation_config)
         config.update(**kwargs)
@@ -116,8 +116,8 @@ class Prefill:
         config.max_new_tokens = new_tokens - 1
         mask = torch.cat([self.attention_mask, torch.ones_like(first)], dim=1)
         if press is None:
-            out = self.model.generate(ids, attention_mask=mask, cache=copy.deepcopy(self.cache),
-                                      generation_config=config)
+            out = self.model.generate(ids, attention_mask=mask, generation_config=config,
+                                      cache=copy.deepcopy(self.cache) if cache is None else cache)
         else:
             cache = cache if cache is not None else self.compress(press)
             with nullcontext() if self.model in _active else press(self.model):

@@ -15,7 +15,7 @@ from conftest import make_model, save_model_dir
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from sparsekv import bench
+from sparsekv import bench, make_press
 from sparsekv.bench import Setting, medians, plan, run_bench, slope_per_1k, step_latencies, summarize
 from sparsekv.cli import main
 from sparsekv.evaluation.tasks import INTRO, NOISE
@@ -63,7 +63,9 @@ def test_slope_on_synthetic_timestamps():
     assert step_latencies(stamps) == pytest.approx(latencies)
     assert slope_per_1k(step_latencies(stamps)) == pytest.approx(4.0, rel=1e-6)
     assert slope_per_1k([7.0] * 50) == pytest.approx(0.0, abs=1e-9)
-    assert slope_per_1k([1.0]) is None
+    assert slope_per_1k([1.0] * 31) is None  # too few steps to tell growth from jitter
+    jittery = [10 + 0.004 * i + (40 if i % 17 == 0 else 0) for i in range(64)]  # a slow step now and then
+    assert slope_per_1k(jittery) == pytest.approx(4.0, rel=1e-6)
 
 
 def test_running_median_window():
@@ -100,12 +102,13 @@ def test_rows_and_ratios_are_ratios_of_the_medians():
     assert row["curve"] == [5.5, 7.0, 7.0]  # per-step median over the runs
     assert f["decode_vs_oracle"] is None and f["prefill_vs_full"] is None  # references get no ratios
     table = bench.format_rows(list(rows.values()))
-    assert "decode/oracle" in table and "GPU peak MB" not in table
+    assert "/oracle" in table and "GPU peak MB" not in table and "ms/1k tok" not in table  # 3 steps: no slope
+    assert max(len(line) for line in table.splitlines()) <= 120
     assert f"{7.0 / 5.0:.2f}" in table.splitlines()[-1]
 
 
 def test_medians_slope_uses_the_median_curve():
-    runs = [fake_run(1, [1, 2, 3, 4], 0, 0, 1), fake_run(1, [3, 4, 5, 6], 0, 0, 1)]
+    runs = [fake_run(1, list(range(1, 41)), 0, 0, 1), fake_run(1, list(range(3, 43)), 0, 0, 1)]
     assert medians(runs)["slope"] == pytest.approx(1000.0)  # +1 ms per token
 
 
@@ -278,7 +281,7 @@ def test_command_line(model_dir, tmp_path, capsys):
     assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", "h2o", "--budgets", "40",
                  "--max-new-tokens", "3", "--repeats", "1", "--plot", str(plot), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "decode/oracle" in out and "h2o b=40" in out and plot.exists()
+    assert "/oracle" in out and "h2o b=40" in out and plot.exists()
     assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", "h2o", "--budgets", "40",
                  "--max-new-tokens", "3", "--repeats", "1", "--batch-sizes", "2", "--rows-apart"]) == 0
     assert "h2o b=40" in capsys.readouterr().out
@@ -296,3 +299,27 @@ def test_command_line(model_dir, tmp_path, capsys):
             main(["bench", "--model", str(model_dir), "--lengths", "100", *argv])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_demo_reads_the_prompt_once_and_answers_as_generate(model_dir, model, tokenizer, capsys, monkeypatch):
+    """`sparsekv demo`: one prefill for every press, each answer the one `generate` gives under the press, a row
+    per press and the legend under the table."""
+    from sparsekv import demo
+    from sparsekv.niah import build_needle_prompt
+    from sparsekv.prefill import Prefill
+
+    runs, real_run = [], Prefill.run.__func__
+    monkeypatch.setattr(Prefill, "run", classmethod(lambda cls, *a, **k: runs.append(1) or real_run(cls, *a, **k)))
+    rows = demo.run_demo(str(model_dir), n_tokens=200, ratio=0.5, max_new_tokens=4)
+    out = capsys.readouterr().out
+    assert runs == [1] and [r["press"] for r in rows] == ["full cache", "SnapKV", "H2O", "StreamingLLM", "ChunkKV",
+                                                         "SentenceKV", "CHESS"]
+    assert "read per step:" in out and "CHESS evicts nothing" in out
+    full = rows[0]["resident"]
+    assert rows[-1]["resident"] == full and all(r["resident"] < full for r in rows[1:-1])
+    ids, _ = build_needle_prompt(tokenizer, 200, depth=0.5)
+    snap = make_press("snapkv", ratio=0.5)
+    with snap(model):
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    text = " ".join(tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True).split())
+    assert rows[1]["answer"] == text

@@ -164,3 +164,24 @@ def test_every_command_takes_the_same_placement_options(command, capsys, monkeyp
     with pytest.raises(SystemExit):
         main([command, "--device", "cuda"])
     assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_is_said_in_one_line_at_once(monkeypatch, capsys):
+    """A Hub id with the Hub unreachable and nothing cached: one line naming the model and what to use instead,
+    not transformers' minute of retries and its traceback."""
+    import urllib.error
+    import urllib.request
+
+    from sparsekv.cli import main
+    from sparsekv.models import ModelFetchError, check_hub
+
+    def unreachable(*args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(urllib.request, "urlopen", unreachable)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    with pytest.raises(ModelFetchError, match=r"model 'org/absent': the Hugging Face Hub .* is unreachable here"):
+        check_hub("org/absent")
+    assert main(["demo", "--model", "org/absent", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "use an offline model (smollm2-135m, qwen2.5-0.5b)" in err
