@@ -105,7 +105,11 @@ def check_model(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise ValueError(f"attn_implementation: {impl!r} is not supported; use one of {SUPPORTED_ATTENTION}.")
     modules = attention_modules(model)
     if not modules:
-        name, module = indexed[0]
+        attention = [(n, m) for n, m in indexed if "attention" in type(m).__name__.lower()]
+        if not attention:
+            raise refuse(f"it has no attention layers with a KV cache (its layers, {type(indexed[0][1]).__name__}, "
+                         "keep a recurrent or state-space state, not keys and values)")
+        name, module = attention[0]
         raise refuse(f"its attention modules (`{name}`, {type(module).__name__}) are not decoder layers' `self_attn` "
                      "modules, the ones sparsekv hooks")
     shared = sorted({m.layer_idx for name, m in indexed if name.endswith("self_attn") and m is not modules[m.layer_idx]})

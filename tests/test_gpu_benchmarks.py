@@ -1,5 +1,5 @@
 """The GPU benchmark scripts (benchmarks/, docs/gpu.md), run here on the CPU so that they keep working between the
-sessions that have a GPU: models of real shapes, and one short run of each script on a random-weight SmolLM2."""
+machines that have a GPU: models of real shapes, and one short run of each script on a random-weight SmolLM2."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_random_bench_on_a_random_model(tokenizer_dir, capsys):
     assert "snapkv r=0.1" in out and "oracle" in out and "full" in out
     random_bench.main([*SMALL, "--tokenizer", tokenizer_dir, "--lengths", "600", "--max-new-tokens", "3",
                        "--presses", "h2o", "--memory-budget", "64", "--max-batch", "2", "--rows-apart"])
-    assert "2+" in capsys.readouterr().out  # (gpu_session.sh's capacity32k_apart: every configuration fits 2)
+    assert "2+" in capsys.readouterr().out  # (gpu_benchmarks.sh's capacity32k_apart: every configuration fits 2)
     with pytest.raises(SystemExit):  # refused as `sparsekv bench` refuses it
         random_bench.main([*SMALL, "--tokenizer", tokenizer_dir, "--exact-batch"])
     assert "--exact-batch: only with --memory-budget" in capsys.readouterr().err

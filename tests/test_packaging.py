@@ -8,6 +8,8 @@ import sys
 from importlib.metadata import metadata, requires, version
 from pathlib import Path
 
+import pytest
+
 import sparsekv
 from sparsekv.cli import main
 
@@ -94,3 +96,12 @@ def test_import_and_help_load_no_torch():
             "sparsekv.SnapKVPress; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["[]", "True"], out
+
+
+@pytest.mark.parametrize("order", ["sparsekv first", "transformers' pipelines first"])
+def test_the_pipeline_task_is_registered_whichever_is_imported_first(order):
+    imports = ["import sparsekv", "from transformers.pipelines import PIPELINE_REGISTRY"]
+    code = "; ".join(imports if order == "sparsekv first" else imports[::-1]) + \
+        "; print('sparsekv-text-generation' in PIPELINE_REGISTRY.get_supported_tasks())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session's runs (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA;
+# The GPU benchmarks (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA;
 # on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens, decode steps against the oracle at
 # batch 1 with host synchronisations counted, each step's ops by source line, a profile of a step per press (torch
 # and cProfile), the steps at batch 8, the largest
@@ -11,11 +11,11 @@
 # press lists of decode32k_b1, decode32k_b8, ops32k, profile32k, capacity32k_apart and chunked32k; APART_MAX_BATCH
 # the largest batch capacity32k_apart tries (16), APART_EXACT=1 has it bisect past the last power of 2.
 #
-#   bash benchmarks/gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
+#   bash benchmarks/gpu_benchmarks.sh TOKENIZER_DIR [SECONDS [STEP...]]   # STEP names pick some; order is fixed
 #
 # On a machine without sparsekv's requirements, install them first (the wheels of transformers >= 5.24, nltk).
 set -u
-TOKENIZER=${1:?usage: gpu_session.sh TOKENIZER_DIR [SECONDS [STEP...]]}
+TOKENIZER=${1:?usage: gpu_benchmarks.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
 # the steps' names only
