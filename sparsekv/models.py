@@ -267,6 +267,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementatio
                          "a .gguf file, a model directory nor a Hub id")
     if extra:
         require("gguf", "gguf", "to load GGUF models")
+        require("accelerate", "gguf", "to load GGUF models")  # transformers loads GGUF files through it
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
                                                  device_map=device_map, **extra)
