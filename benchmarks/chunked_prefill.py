@@ -7,8 +7,8 @@ piece's activations instead of the prompt's (the uncompressed KV of the prompt i
 press compresses it). Memory is the peak above the level before the generation: resident memory on a CPU
 (sampled, `sparsekv.bench.PeakRSS`), `torch.cuda.max_memory_allocated` on a GPU.
 
-    PYTHONPATH=. python benchmarks/chunked_prefill.py --length 8000 --chunks 0,1024 --presses snapkv,streamingllm
-    PYTHONPATH=. python benchmarks/chunked_prefill.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR \\
+    python -m benchmarks.chunked_prefill --length 8000 --chunks 0,1024 --presses snapkv,streamingllm
+    python -m benchmarks.chunked_prefill --shape llama-3.1-8b --tokenizer TOKENIZER_DIR \\
         --device cuda --length 32768 --chunks 0,2048,8192
 """
 
@@ -18,13 +18,15 @@ import argparse
 import contextlib
 
 import torch
-from decode_vs_oracle import needle_prompt
-from random_models import load_from_arguments, model_arguments, model_placement
 
-from sparsekv.bench import PeakRSS, _release_memory, timed_generate
+from sparsekv.bench import PeakRSS, timed_generate
+from sparsekv.bench.timing import _release_memory
 from sparsekv.evaluation.presses import make_press
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
+
+from .decode_vs_oracle import needle_prompt
+from .random_models import load_from_arguments, model_arguments, model_placement
 
 
 def run(model, ids: torch.Tensor, press, chunk: int, new_tokens: int) -> dict:

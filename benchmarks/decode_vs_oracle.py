@@ -9,13 +9,13 @@ and a press's ratio to the oracle: the median over its (press step / oracle step
 `--batch 1,4` decodes 1, then 4 copies of the prompt at once (every row its own budget and state; a step reads
 the KV of every row), and `--plot` draws tokens/s against batch size.
 
-    PYTHONPATH=. python benchmarks/decode_vs_oracle.py --presses chunkkv,chunkkv:reuse_layers=1,snapkv
-    PYTHONPATH=. python benchmarks/decode_vs_oracle.py --length 4096 --batch 1,4 --presses snapkv,h2o --plot batch.png
+    python -m benchmarks.decode_vs_oracle --presses chunkkv,chunkkv:reuse_layers=1,snapkv
+    python -m benchmarks.decode_vs_oracle --length 4096 --batch 1,4 --presses snapkv,h2o --plot batch.png
 
 On a GPU, with a model of a real shape and random weights (`random_models.py`; any tokenizer folder), the
 decoding steps' host synchronisations counted per press (`--count-syncs`):
 
-    PYTHONPATH=. python benchmarks/decode_vs_oracle.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR \
+    python -m benchmarks.decode_vs_oracle --shape llama-3.1-8b --tokenizer TOKENIZER_DIR \
         --device cuda --length 32768 --count-syncs --presses snapkv,streamingllm
 """
 
@@ -34,14 +34,14 @@ from collections import Counter
 import torch
 from tqdm.auto import tqdm
 
-from random_models import load_from_arguments, model_arguments, model_placement
-
 from sparsekv.bench import plot_throughput
 from sparsekv.environment import environment
 from sparsekv.evaluation.presses import make_press
 from sparsekv.niah import build_needle_prompt
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
+
+from .random_models import load_from_arguments, model_arguments, model_placement
 
 
 def needle_prompt(tokenizer, length: int) -> torch.Tensor:

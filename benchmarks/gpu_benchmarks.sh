@@ -52,30 +52,30 @@ run tests_more 240 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n
 
 SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
 B1_PRESSES=${B1_PRESSES:-snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer}
-run decode32k_b1 150 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
+run decode32k_b1 150 python3 -m benchmarks.decode_vs_oracle "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
   --repeats 3 --count-syncs --presses "$B1_PRESSES" \
   --json "$OUT/decode32k_b1.json"
 # Each step's ops by sparsekv source line, those on the GPU and those on host tensors apart (an offloaded store).
-run ops32k 90 python3 benchmarks/step_ops.py "${SHAPE[@]}" --length 32768 --lines 25 \
+run ops32k 90 python3 -m benchmarks.step_ops "${SHAPE[@]}" --length 32768 --lines 25 \
   --presses "${OPS_PRESSES:-sentencekv,h2o,snapkv}"
-run profile32k 90 python3 benchmarks/profile_step.py "${SHAPE[@]}" --length 32768 --steps 8 --top 15 --python 30 --diff \
+run profile32k 90 python3 -m benchmarks.profile_step "${SHAPE[@]}" --length 32768 --steps 8 --top 15 --python 30 --diff \
   --presses "${PROFILE_PRESSES:-snapkv,streamingllm,chunkkv,h2o}"
-run decode32k_b8 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
+run decode32k_b8 120 python3 -m benchmarks.decode_vs_oracle "${SHAPE[@]}" --length 32768 --batch 8 --steps 16 \
   --repeats 2 --no-full --presses "${B8_PRESSES:-snapkv,streamingllm,chunkkv}" --json "$OUT/decode32k_b8.json"
 # The full cache at batch 1 and 32k took 16.06 GB of weights + 7.8 GB at its peak (docs/gpu.md): 24 GB.
-run capacity32k 150 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
+run capacity32k 150 python3 -m benchmarks.random_bench "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
   --presses snapkv,streamingllm,chunkkv,sentencekv --memory-budget 24 --max-batch 16
 # The same with each batch prefilled a row at a time and joined: the batch the compressed KV allows.
 # (every batch tried is prefilled row by row: 1 + 2 + ... + 16 rows of 32k a press, about 1.8 s each on an H100;
 # H2O's prefill, 11.5 s a row, would take the whole step alone)
-run capacity32k_apart 300 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
+run capacity32k_apart 300 python3 -m benchmarks.random_bench "${SHAPE[@]}" --lengths 32768 --max-new-tokens 8 \
   --presses "${APART_PRESSES:-snapkv,streamingllm}" --memory-budget 24 --max-batch "${APART_MAX_BATCH:-16}" --rows-apart \
   ${APART_EXACT:+--exact-batch}
 # The prefill's peak with the prompt in pieces of 4k (generate's prefill_chunk_size), the same answer checked.
-run chunked32k 120 python3 benchmarks/chunked_prefill.py "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
+run chunked32k 120 python3 -m benchmarks.chunked_prefill "${SHAPE[@]}" --length 32768 --chunks 0,4096 \
   --presses "${CHUNKED_PRESSES:-snapkv,streamingllm}" --new-tokens 4
-run bench32k 100 python3 benchmarks/random_bench.py "${SHAPE[@]}" --lengths 32768 --max-new-tokens 32 \
+run bench32k 100 python3 -m benchmarks.random_bench "${SHAPE[@]}" --lengths 32768 --max-new-tokens 32 \
   --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --json "$OUT/bench32k.json"
-run decode128k_b1 120 python3 benchmarks/decode_vs_oracle.py "${SHAPE[@]}" --length 131000 --batch 1 --steps 16 \
+run decode128k_b1 120 python3 -m benchmarks.decode_vs_oracle "${SHAPE[@]}" --length 131000 --batch 1 --steps 16 \
   --repeats 2 --presses snapkv,streamingllm --json "$OUT/decode128k_b1.json"
 echo "== done, $(( DEADLINE - $(date +%s) ))s before the deadline"

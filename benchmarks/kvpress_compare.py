@@ -4,13 +4,13 @@ kvpress pins transformers < 5.3 and sparsekv needs >= 5.24, so the two never sha
 the venv it needs, passing token ids through files so that both libraries see the same tokens:
 
     # 1. sparsekv's venv: the prompts of `sparsekv eval --tasks prose_code --lengths 4096 --samples 20` (seed 0)
-    PYTHONPATH=.. python kvpress_compare.py export --model smollm2-135m --task prose_code --length 4096 \
+    python -m benchmarks.kvpress_compare export --model smollm2-135m --task prose_code --length 4096 \
         --samples 20 --out prompts.jsonl
     # 2. a venv with kvpress (`pip install kvpress gguf torch==2.13.0`): greedy replies under each press and ratio
-    python kvpress_compare.py run --prompts prompts.jsonl --presses snapkv,chunkkv,streamingllm,observed \
+    python -m benchmarks.kvpress_compare run --prompts prompts.jsonl --presses snapkv,chunkkv,streamingllm,observed \
         --ratios 0.25,0.1,0.05 --out replies.jsonl
     # 3. sparsekv's venv: scored with `sparsekv eval`'s scoring, one row per press and ratio
-    PYTHONPATH=.. python kvpress_compare.py score --replies replies.jsonl
+    python -m benchmarks.kvpress_compare score --replies replies.jsonl
 
 `--mode question` (the default, as `sparsekv eval`'s) compresses the whole prompt, question included, in one
 forward under the press; `--mode agnostic` compresses the context alone and reads the question from that cache,
@@ -138,7 +138,8 @@ def run(args) -> None:
 def score(args) -> None:
     """Accuracy (%) per press and ratio, with `sparsekv eval`'s scoring and a 95% Wilson interval."""
     from sparsekv.evaluation.report import wilson
-    from sparsekv.evaluation.scoring import aggregate, score as score_reply
+    from sparsekv.evaluation.scoring import aggregate
+    from sparsekv.evaluation.scoring import score as score_reply
     from sparsekv.table import format_table
 
     cells: dict[tuple[str, float, str], list[float]] = {}

@@ -4,7 +4,7 @@ kernels launched per step (torch.profiler), and the ops that cost the most host 
 A step the device spends mostly idle is bound by the host (Python and kernel launches): there a press's extra
 ops cost their launch, not their arithmetic, and only fewer ops make it faster.
 
-    PYTHONPATH=. python benchmarks/profile_step.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \\
+    python -m benchmarks.profile_step --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \\
         --length 32768 --presses snapkv,streamingllm
 
 `--diff` lists, per press, the ops whose host time of their own a step exceeds the oracle's the most.
@@ -23,13 +23,14 @@ import pstats
 import time
 
 import torch
-from decode_vs_oracle import needle_prompt
-from random_models import load_from_arguments, model_arguments, model_placement
 from torch.profiler import ProfilerActivity, profile
 
 from sparsekv.evaluation.presses import make_press
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
+
+from .decode_vs_oracle import needle_prompt
+from .random_models import load_from_arguments, model_arguments, model_placement
 
 
 def sync(device: torch.device) -> None:

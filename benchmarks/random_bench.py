@@ -4,9 +4,9 @@ Speed and memory do not depend on the weights' values; a GPU machine without the
 model, and building one from its config on the GPU takes seconds. Any tokenizer folder with a chat template
 makes the prompts (only their length matters here).
 
-    PYTHONPATH=. python benchmarks/random_bench.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \\
+    python -m benchmarks.random_bench --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \\
         --lengths 32768 --presses snapkv,streamingllm,chunkkv,h2o,chess,sentencekv --max-new-tokens 32
-    PYTHONPATH=. python benchmarks/random_bench.py ... --memory-budget 24 --max-batch 64   # capacity instead
+    python -m benchmarks.random_bench ... --memory-budget 24 --max-batch 64   # capacity instead
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from random_models import load_from_arguments, model_arguments, model_placement
 
 from sparsekv.bench import format_capacity, format_rows, run_bench, run_capacity
 from sparsekv.environment import environment
 from sparsekv.presses.registry import split_specs
+
+from .random_models import load_from_arguments, model_arguments, model_placement
 
 
 @torch.no_grad()

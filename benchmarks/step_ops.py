@@ -5,8 +5,8 @@ decode_vs_oracle.md), so this counts them: every op torch dispatches during `--s
 prefilled cache is charged to the innermost sparsekv line on the Python stack ("model" when there is none: the
 model's own ops). The oracle is the full cache of the prompt's last `ratio * length` tokens, with no press.
 
-    PYTHONPATH=. python benchmarks/step_ops.py --presses snapkv,h2o,sentencekv
-    PYTHONPATH=. python benchmarks/step_ops.py --presses sentencekv --lines 20
+    python -m benchmarks.step_ops --presses snapkv,h2o,sentencekv
+    python -m benchmarks.step_ops --presses sentencekv --lines 20
 
 `--host-reads` counts only the ops that bring a tensor's value to the host (`.item()`, `bool(t)`, `torch.equal`,
 `nonzero`, boolean-mask indexing, ...): each is a host-device synchronisation on a GPU, found here on a CPU.
@@ -14,7 +14,7 @@ model's own ops). The oracle is the full cache of the prompt's last `ratio * len
 On a GPU (any model of `random_models.py`), each line's ops are split into those on the GPU (a kernel launch
 each) and those on host tensors (an offloaded store's gathers, index arithmetic for it):
 
-    PYTHONPATH=. python benchmarks/step_ops.py --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \
+    python -m benchmarks.step_ops --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda \
         --dtype bfloat16 --length 32768 --presses sentencekv,snapkv
 """
 
@@ -26,14 +26,14 @@ import sys
 from collections import Counter
 
 import torch
-from decode_vs_oracle import needle_prompt
-from random_models import load_from_arguments, model_arguments, model_placement
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from sparsekv.evaluation.presses import make_press
 from sparsekv.presses.registry import split_specs
 
+from .decode_vs_oracle import needle_prompt
+from .random_models import load_from_arguments, model_arguments, model_placement
 
 # Ops whose result needs a tensor's value on the host: on CUDA each waits for the device (a synchronisation).
 HOST_READS = {"_local_scalar_dense", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",

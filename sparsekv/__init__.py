@@ -25,7 +25,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 # Public name -> the module that defines it.
 _WHERE = {
-    "CacheStats": ".cache", "Forward": ".cache", "KVLayer": ".cache", "SparseCache": ".cache", "StoreLayer": ".cache",
+    "CacheStats": ".stats", "Forward": ".cache", "KVLayer": ".layers", "SparseCache": ".cache", "StoreLayer": ".store",
     "SparseKVPipeline": ".pipeline", "prefill_rows": ".prefill", "Press": ".press", "ScorerPress": ".press",
     "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses", "ChunkPress": ".presses",
     "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses", "SnapKVPress": ".presses",
@@ -49,7 +49,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see
-    from .cache import CacheStats, Forward, KVLayer, SparseCache, StoreLayer
+    from .cache import Forward, SparseCache
+    from .layers import KVLayer
     from .pipeline import SparseKVPipeline
     from .prefill import prefill_rows
     from .press import Press, ScorerPress
@@ -66,3 +67,5 @@ if TYPE_CHECKING:  # what type checkers and editors see
         registered,
     )
     from .state import RowState
+    from .stats import CacheStats
+    from .store import StoreLayer

@@ -37,10 +37,11 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
 from .attention import AttentionCall, rope_matrix, tile_rope
-from .layers import (  # noqa: F401 (re-exported)
-    GROW, KVLayer, StoreLayer, allocated, append_in_place, buffer_of, victim_indices,
-)
+from .join import join_caches
+from .layers import KVLayer
+from .pieces import PromptPieces
 from .state import RowState, row_index
+from .stats import CacheStats, cache_stats, prompt_kept
 
 # `before_layer`'s answer when the layer keeps transformers' mask (its layout is the logical one).
 KEEP_MASK = object()
@@ -95,90 +96,6 @@ class Forward:
         if key not in self.tiles:  # the matrix is held by `rope` for as long as its tiles are
             self.tiles[key] = tile_rope(matrix, group)
         return self.tiles[key]
-
-
-@dataclass
-class CacheStats:
-    """What a sparsekv cache holds. Token counts are per sequence; bytes are for the whole batch.
-
-    Attributes:
-        logical_tokens: tokens seen (prompt, padding included, plus generated).
-        resident_tokens: per layer, KV slots held per sequence (real or filler).
-        attended_tokens: per layer, real tokens attended, averaged over the batch.
-        kv_bytes: bytes of keys and values held, all layers.
-        bytes_by_device: bytes of every tensor the cache holds (KV and bookkeeping), by device.
-        seconds: time spent in press work, by kind (e.g. "compress", "step").
-        offloaded_bytes: bytes of KV a press keeps off the device in an offload store (e.g. SentenceKV's).
-        counts: press events by kind (e.g. "selections", "loads", "loaded_tokens").
-        layer_jaccard: per pair of adjacent compressed layers, the Jaccard similarity of the prompt tokens they
-            keep (per row and KV head, averaged): how alike neighbouring layers' selections are.
-    """
-
-    logical_tokens: int
-    resident_tokens: list[int]
-    attended_tokens: list[float]
-    kv_bytes: int
-    bytes_by_device: dict[str, int]
-    seconds: dict[str, float] = field(default_factory=dict)
-    offloaded_bytes: int = 0
-    counts: dict[str, int] = field(default_factory=dict)
-    layer_jaccard: list[float] = field(default_factory=list)
-
-    @property
-    def kv_fraction(self) -> float:
-        """Mean resident slots over logical tokens."""
-        mean = sum(self.resident_tokens) / max(len(self.resident_tokens), 1)
-        return mean / max(self.logical_tokens, 1)
-
-
-@dataclass
-class PromptPieces(RowState):
-    """A prompt read in several forwards (generate's `prefill_chunk_size`), until its last piece.
-
-    The layers hold every piece's KV uncompressed; the press compresses at the last piece, as it would the whole
-    prompt, from an `AttentionCall` that stands for it: the last piece's layer inputs after the last `tail` tokens'
-    of the earlier pieces (`Press.prompt_tail`: what `compress` reads, e.g. SnapKV's window), with the validity and
-    the RoPE table of the whole prompt. Only that tail is kept, never the prompt's activations; a press that reads
-    every prompt query (H2O) reads each piece's as it comes (`Press.read_piece`).
-
-    Attributes:
-        tail: tokens of layer inputs kept from the earlier pieces.
-        length: prompt tokens read so far (padding included).
-        valid: `(batch, length)` which of them are real.
-        rope: the `(cos, sin)` of those tokens, shared by the compressed layers (transformers gives them one).
-        inputs: per layer index, the last `tail` tokens' hidden states.
-    """
-
-    tail: int
-    length: int = 0
-    valid: torch.Tensor | None = None
-    rope: tuple | None = None
-    inputs: dict = field(default_factory=dict)
-    piece_rope: tuple | None = None  # the piece's own `(cos, sin)`, as the model gave it to its first layer
-
-    def read(self, valid: torch.Tensor) -> None:
-        """A piece's validity `(batch, q)`, before its layers run."""
-        self.valid = valid if self.valid is None else torch.cat([self.valid, valid.to(self.valid.device)], dim=1)
-        self.length = self.valid.shape[1]
-
-    def call(self, call: AttentionCall) -> AttentionCall:
-        """After a layer of a piece: the call standing for the prompt so far (the kept tail's inputs, then the
-        piece's; validity and RoPE from the prompt's start), and the tail kept for the next piece."""
-        if call.position_embeddings is None:  # a layer without position embeddings
-            pass
-        elif self.rope is None or self.rope[0].shape[1] < self.length:  # the piece's first rotary layer
-            self.piece_rope = call.position_embeddings
-            self.rope = call.position_embeddings if self.rope is None else tuple(
-                torch.cat([a, b.to(a.device)], dim=1) for a, b in zip(self.rope, call.position_embeddings))
-        elif call.position_embeddings[0] is not self.piece_rope[0]:
-            raise ValueError(f"sparsekv: layer {call.module.layer_idx} got other position embeddings than the "
-                             "first compressed layer: a prompt read in pieces keeps one RoPE table for them all.")
-        kept = self.inputs.get(call.module.layer_idx)
-        hidden = call.hidden_states if kept is None else torch.cat([kept, call.hidden_states.to(kept.device)], 1)
-        self.inputs[call.module.layer_idx] = hidden[:, max(hidden.shape[1] - self.tail, 0):]
-        rope = None if call.position_embeddings is None else tuple(t.to(hidden.device) for t in self.rope)
-        return AttentionCall(call.module, hidden, rope, None, self.valid.to(hidden.device),
-                             offset=self.length - hidden.shape[1])
 
 
 class SparseCache(RowState, Cache):
@@ -251,45 +168,8 @@ class SparseCache(RowState, Cache):
     @classmethod
     def join(cls, caches: list[SparseCache], consume: bool = False) -> SparseCache:
         """One cache holding the rows of `caches`, in order, laid out as if their prompts had been prefilled
-        together: a batch whose prefill's peak memory was one cache's, not the batch's.
-
-        Each cache holds a prompt (left-padded to one length across the caches, with its attention mask, as a
-        batch would be), built under the same press, with no forward under way. Its press must declare
-        `joins_rows`. The result is a copy; the caches are left as they were, unless `consume`: then each
-        cache's layers are released as soon as they are joined (the caches are unusable after), so that the rows'
-        KV is never held twice, only one layer's.
-        """
-        caches = list(caches)
-        if not caches or not all(isinstance(c, SparseCache) for c in caches):
-            raise ValueError("caches: give one or more sparsekv caches (a press's `make_cache`, or the cache of a "
-                             "prompt prefilled under a press).")
-        first = caches[0]
-        press = first.press
-        if any(c.press != press for c in caches):
-            raise ValueError("caches: they were built under different presses "
-                             f"({sorted({repr(c.press) for c in caches})}); join caches of one press.")
-        check_joins_rows(press)
-        if any(c.prompt_lengths is None or c.forward is not None or c.pieces is not None for c in caches):
-            raise ValueError("caches: each must hold a whole prompt, with no forward under way (a cache before its "
-                             "prompt, or a prompt read in pieces before its last, cannot be joined).")
-        lengths = {c.get_seq_length() for c in caches}
-        if len(lengths) > 1:
-            raise ValueError(f"caches: they hold prompts of different lengths ({sorted(lengths)}); left-pad the "
-                             "prompts to one length (with their attention mask) before prefilling them apart.")
-        if len({c.budgets is None for c in caches}) > 1:
-            raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
-        out = cls(press, first.config)
-        out.layers = join_layers(caches, consume)
-        for name in ("prompt_lengths", "prompt_start", "budgets"):
-            values = [getattr(c, name) for c in caches]
-            setattr(out, name, None if values[0] is None else torch.cat(values))
-        out.state = None if first.state is None else type(first.state).joined([c.state for c in caches])
-        for c in caches:
-            for key, value in c.seconds.items():
-                out.seconds[key] += value
-            for key, value in c.counts.items():
-                out.counts[key] += value
-        return out
+        together (`sparsekv.join.join_caches`)."""
+        return join_caches(caches, consume)
 
     def compressed_layers(self) -> list[KVLayer]:
         return [layer for layer in self.layers if isinstance(layer, KVLayer)]
@@ -467,42 +347,7 @@ class SparseCache(RowState, Cache):
 
     def stats(self) -> CacheStats:
         """What the cache holds now (see `CacheStats`)."""
-        resident, attended, by_device, kv, offloaded = [], [], defaultdict(int), 0, 0
-        for layer in self.layers:
-            if getattr(layer, "keys", None) is None or not layer.is_initialized:  # (or a linear-attention state)
-                resident.append(0)
-                attended.append(0.0)
-                continue
-            if not isinstance(layer, KVLayer):  # transformers' own layer: it attends what it holds
-                n = layer.keys.shape[-2]
-                resident.append(n)
-                attended.append(float(n))
-                kv += layer.keys.nbytes + layer.values.nbytes
-                for t in (layer.keys, layer.values):
-                    by_device[str(t.device)] += t.nbytes
-                continue
-            resident.append(layer.resident_slots())
-            attended.append(float(layer.valid.sum(-1).float().mean()))
-            away = layer.offloaded_tensors()
-            offloaded += sum(t.nbytes for t in away)
-            seen = set()  # the store may be what attention reads (CHESS before its first selection)
-            for t in layer.attended_tensors() + [t for t in layer.stored_tensors() if not any(t is a for a in away)]:
-                if t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    kv += t.nbytes
-            for t in layer.held_tensors():
-                by_device[str(t.device)] += t.untyped_storage().nbytes()
-        return CacheStats(
-            logical_tokens=self.get_seq_length(),
-            resident_tokens=resident,
-            attended_tokens=attended,
-            kv_bytes=kv,
-            bytes_by_device=dict(by_device),
-            seconds=dict(self.seconds),
-            offloaded_bytes=offloaded,
-            counts=dict(self.counts),
-            layer_jaccard=self.layer_jaccard(),
-        )
+        return cache_stats(self)
 
     def prompt_work(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """`compute()`, or its result for the same `key` on the same prompt when one is at hand.
@@ -518,28 +363,8 @@ class SparseCache(RowState, Cache):
         return self.shared[key]
 
     def prompt_kept(self) -> dict[int, torch.Tensor]:
-        """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens (left-padded positions)
-        whose KV the layer's attention reads now (for selecting presses, at the last step)."""
-        if self.prompt_lengths is None:
-            return {}
-        width = int(self.prompt_start[0] + self.prompt_lengths[0])  # the prompt's padded length
-        kept = {}
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer, KVLayer) or not layer.is_initialized:
-                continue
-            inside = (layer.positions < width) & layer.valid[:, None, :]
-            mask = torch.zeros(*layer.positions.shape[:2], width + 1, dtype=torch.bool, device=layer.positions.device)
-            kept[i] = mask.scatter_(-1, layer.positions.where(inside, width), True)[..., :width]
-        return kept
-
-    def layer_jaccard(self) -> list[float]:
-        """Jaccard similarity of the prompt tokens kept by each pair of adjacent compressed layers."""
-        kept = list(self.prompt_kept().values())
-        pairs = []
-        for a, b in zip(kept, kept[1:]):
-            union = (a | b).sum(-1).clamp(min=1)
-            pairs.append(float(((a & b).sum(-1) / union).mean()))
-        return pairs
+        """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens whose KV it reads now."""
+        return prompt_kept(self)
 
 
 def check_left_padded(attention_mask: torch.Tensor) -> None:
@@ -552,51 +377,6 @@ def check_left_padded(attention_mask: torch.Tensor) -> None:
         raise ValueError(f"attention_mask: row {row} has padding after its first real token (padded on the right?); "
                          "sparsekv needs prompts padded on the left, as decoder-only generation does: set "
                          "`tokenizer.padding_side = \"left\"` before tokenizing.")
-
-
-def check_joins_rows(press) -> None:
-    """Refuse a press whose caches cannot be joined (`Press.joins_rows` False)."""
-    if not press.joins_rows:
-        raise ValueError(f"{type(press).__name__}: cannot join caches prefilled apart (its state is not laid out "
-                         "per row alike: joins_rows is False); prefill the rows together.")
-
-
-def join_layers(caches: list[Cache], consume: bool) -> list:
-    """Every layer of `caches` joined (`joined_layer`), in order; `consume`: each cache's layer released once
-    joined, so that at most one layer's rows are held twice."""
-    layers = []
-    for i in range(len(caches[0].layers)):
-        layers.append(joined_layer([c.layers[i] for c in caches]))
-        if consume:
-            for c in caches:
-                c.layers[i] = None
-    return layers
-
-
-def joined_layer(layers: list):
-    """The rows of one layer of several caches: a sparsekv layer joins itself (`KVLayer.joined`); transformers'
-    own layers (sliding windows) hold one tensor of keys and one of values, batch first."""
-    if isinstance(layers[0], KVLayer):
-        return type(layers[0]).joined(layers)
-    if any(layer.keys.shape[2:] != layers[0].keys.shape[2:] for layer in layers):
-        raise ValueError("sparsekv: these layers cannot be joined: they hold different numbers of tokens; join "
-                         "caches of prompts padded to one length.")
-    out = copy.copy(layers[0])
-    out.keys = torch.cat([layer.keys for layer in layers])
-    out.values = torch.cat([layer.values for layer in layers])
-    return out
-
-
-def cache_footprint(cache) -> tuple[float, float, int]:
-    """`(resident tokens, attended tokens, KV bytes)` of a `SparseCache` or a transformers `DynamicCache`:
-    tokens per sequence, mean over layers (a full cache attends everything it holds)."""
-    if isinstance(cache, SparseCache):
-        stats = cache.stats()
-        n = len(stats.resident_tokens)
-        return sum(stats.resident_tokens) / n, sum(stats.attended_tokens) / n, stats.kv_bytes
-    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-    tokens = sum(layer.keys.shape[-2] for layer in layers) / max(len(layers), 1)
-    return tokens, tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
 
 
 def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, dtype: torch.dtype):

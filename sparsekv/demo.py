@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from .cache import cache_footprint
 from .niah import build_needle_prompt, score_answer
 from .prefill import Prefill
 from .presses.registry import BUILT_IN, make_press
+from .stats import cache_footprint
 from .table import format_table
 
 COLUMNS = [

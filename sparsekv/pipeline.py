@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from .cache import cache_footprint
 from .evaluation.prompts import Sample, encode
 from .prefill import Prefill, generate_from
+from .stats import cache_footprint
 
 TASK = "sparsekv-text-generation"
 

@@ -18,9 +18,10 @@ from functools import partial
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig
 
-from .cache import SparseCache, check_joins_rows, join_layers
 from .architectures import attention_modules, compressed_layers
+from .cache import SparseCache
 from .hooks import _active
+from .join import check_joins_rows, join_layers
 
 
 @dataclass

@@ -267,7 +267,6 @@ def test_the_readme_lists_the_architectures_that_work():
 
 
 if __name__ == "__main__":  # the README's list, and every refusal
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
     print(", ".join(f"`{name}`" for name in supported()))

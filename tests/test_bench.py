@@ -193,8 +193,8 @@ def test_capacity_finds_the_largest_batch_within_the_budget(model, tokenizer, mo
         run = real(model, ids, press, new_tokens, pad, mask, rows_apart)
         return {**run, "peak_mb": ids.shape[0] * run["resident"]}  # 1 MB per token held
 
-    monkeypatch.setattr(bench, "measure", measure)
-    monkeypatch.setattr(bench, "model_mb", lambda model: 0.0)
+    monkeypatch.setattr(bench.run, "measure", measure)  # run_capacity looks both up in its own module
+    monkeypatch.setattr(bench.run, "model_mb", lambda model: 0.0)
     rows = bench.run_capacity(model, tokenizer, [200], ["streamingllm"], ratios=[0.5], memory_budget_gb=850 / 1024,
                               max_batch=8, max_new_tokens=2)
     by = {row["config"]: row for row in rows}
@@ -237,14 +237,14 @@ def test_rows_apart_hold_what_the_batch_holds(model, tokenizer, monkeypatch):
         press = together["config"].startswith("sentencekv")
         assert together["config"] == apart["config"] and apart["attended"] == together["attended"] + press
     ids, mask = bench.batch_inputs(torch.arange(3, 163)[None], [160, 120], pad_id=0)
-    press = bench.make_press("h2o", 0.5)
+    press = make_press("h2o", ratio=0.5)
     with press(model), torch.no_grad():
         positions = (mask[:, :-1].cumsum(-1) - 1).clamp(min=0)  # as generate counts them
         cache = model(ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions, use_cache=True).cache
         reference = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, min_new_tokens=4,
                                    do_sample=False, pad_token_id=0)
     seen, real = [], bench.timed_generate
-    monkeypatch.setattr(bench, "timed_generate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    monkeypatch.setattr(bench.timing, "timed_generate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     bench.measure(model, ids, press, 4, 0, mask, rows_apart=True)
     assert torch.equal(seen[0][0].sequences, reference)
     with pytest.raises(ValueError, match="--rows-apart: chess r=0.5 cannot join"):

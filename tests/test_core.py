@@ -21,8 +21,8 @@ from sparsekv import (
     SparseCache,
     StreamingLLMPress,
 )
-from sparsekv.cache import GROW, Forward, buffer_of
-from sparsekv.layers import span
+from sparsekv.buffers import GROW, buffer_of, span
+from sparsekv.cache import Forward
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
@@ -581,7 +581,7 @@ def test_row_tensors_are_copied_to_a_device_once_per_value():
 def test_victim_indices_made_for_stacked_layers_are_each_layers_own():
     """H2O and StreamingLLM make every layer's scatter indices of a step at once: each layer's part is what that
     layer would have made alone (a wrong slot would overwrite a kept token)."""
-    from sparsekv.layers import victim_indices
+    from sparsekv.buffers import victim_indices
     victims = torch.randint(0, 50, (5, 2, 3))  # (layers, batch, heads)
     slots, index = victim_indices(victims, 8)
     for i in range(5):

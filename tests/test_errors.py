@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, make_model, prompt
+from conftest import make_model
 from test_core import hook_count
 
 from sparsekv import H2OPress, SnapKVPress, StreamingLLMPress

@@ -246,7 +246,7 @@ def test_a_prompt_in_pieces_with_beams_and_prompt_lookup(press_cls):
 def test_pieces_are_read_from_generates_prefill_or_refused():
     """Which piece a forward is comes from generate's `_prefill` locals; a transformers that names them otherwise
     is refused rather than guessed, and no pieces (or one) means a plain prompt."""
-    from sparsekv.hooks import pieces_after
+    from sparsekv.generation import pieces_after
 
     snap, chunks = SnapKVPress(ratio=0.25), (torch.zeros(1, 32),) * 3
     config = GenerationConfig(prefill_chunk_size=32)

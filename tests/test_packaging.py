@@ -105,3 +105,12 @@ def test_the_pipeline_task_is_registered_whichever_is_imported_first(order):
         "; print('sparsekv-text-generation' in PIPELINE_REGISTRY.get_supported_tasks())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
+
+
+def test_the_demos_extra_holds_what_loading_an_offline_model_needs():
+    """The README's first command installs `[gguf]` alone: transformers loads a GGUF file with gguf and accelerate."""
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    extra = re.search(r'^gguf = \[(.*?)\]', text, re.M).group(1)
+    assert '"gguf' in extra and '"accelerate' in extra
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert 'pip install -e ".[gguf]" -c constraints.txt && sparsekv demo' in readme

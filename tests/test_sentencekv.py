@@ -14,8 +14,8 @@ from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.attention import project_queries, rotate
-from sparsekv.cache import GROW
-from sparsekv.presses.sentencekv import loading_room, rank_in_sentence
+from sparsekv.buffers import GROW
+from sparsekv.presses.sentence_step import load, loading_room, plan_step, rank_in_sentence
 from sparsekv.segment import sentence_ids
 
 
@@ -226,9 +226,9 @@ class RankedBeforeTheQuery(SentencePress):
 
     def on_queries(self, cache, layer, call):
         state = layer.state
-        chosen = self._chosen(state)
+        chosen = self.chosen(state)
         empty = (state.query_sum == 0).flatten(1).all(1)
-        self._load(layer, torch.where(empty[:, None, None], state.resident, chosen))
+        load(layer, torch.where(empty[:, None, None], state.resident, chosen))
         queries = call.queries(grouped=True).float()
         if call.input_valid is not None:
             queries = queries * call.valid()[:, None, :, None]
@@ -303,8 +303,8 @@ def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(pla
     device the tests run on: the entering slots moved to the store's side once, every loading layer's rows
     gathered into one buffer and copied over (`plan="step"`), or each layer's (`plan="layer"`), give the same
     working sets, positions and logits as loads from a store beside the model."""
-    import sparsekv.layers
-    import sparsekv.presses.sentencekv
+    import sparsekv.presses.sentence_step
+    import sparsekv.store
 
     model = make_model("llama", vocab_size=420)
     ids = torch.cat([sentence_prompt(90, seed=1), sentence_prompt(90, seed=2)])
@@ -317,8 +317,8 @@ def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(pla
             calls.append(store.shape)
             return away or store.device != device
 
-        monkeypatch.setattr(sparsekv.layers, "offloaded", elsewhere)
-        monkeypatch.setattr(sparsekv.presses.sentencekv, "offloaded", elsewhere)
+        monkeypatch.setattr(sparsekv.store, "offloaded", elsewhere)
+        monkeypatch.setattr(sparsekv.presses.sentence_step, "offloaded", elsewhere)
         with press(budget=30, plan=plan)(model), torch.no_grad():
             out = model(ids)
             logits = []
@@ -340,7 +340,7 @@ def test_a_step_plan_over_layers_on_several_devices_ranks_each_layer_and_says_so
     layer = compressed(cache)[1]
     layer.state.resident = layer.state.resident.to("meta")
     with caplog.at_level(logging.WARNING, logger="sparsekv"):
-        press(budget=30)._plan_step(cache)
+        plan_step(press(budget=30), cache)
     assert cache.state.stack is None and cache.state.per_layer
     assert "several devices (" in caplog.text and "meta)" in caplog.text and layer.state.query_sum is not None
 
@@ -442,7 +442,7 @@ def test_chosen_slots_are_the_best_sentences_first_tokens_up_to_fill(seed):
         sentence_keys=torch.randn(b, h, n_sentences, d, generator=gen),
         query_sum=torch.randn(b, h, 1, d, generator=gen)))
     layer.state.slot_room = loading_room(slot_sentence, sizes, fill)
-    chosen = SentencePress._chosen(layer.state)
+    chosen = SentencePress.chosen(layer.state)
     similarity = torch.einsum("bhxd,bhsd->bhs", layer.state.query_sum, layer.state.sentence_keys)
     for row in range(b):
         for head in range(h):
@@ -486,7 +486,7 @@ def test_an_offloaded_stores_rows_are_gathered_by_one_flat_index():
     """`StoreLayer.load` from a store on another device moves one flat index there, not three, and `_load_all`
     gathers every loading layer's rows into one buffer (one copy to the GPU per tensor): the rows gathered are
     each store's `(row, head, slot)` rows, one store's after the other, in order."""
-    from sparsekv.layers import flat_index, gather_rows
+    from sparsekv.store import flat_index, gather_rows
 
     gen = torch.Generator().manual_seed(0)
     keys, other = torch.randn(2, 3, 10, 4, generator=gen), torch.randn(2, 3, 10, 4, generator=gen)
@@ -501,17 +501,17 @@ def test_an_offloaded_stores_rows_are_gathered_by_one_flat_index():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_one_host_read_loads_what_two_do(seed):
-    """On a GPU `_load` finds the tokens that enter and those that leave with one `nonzero` (one wait for the
+    """On a GPU `load` finds the tokens that enter and those that leave with one `nonzero` (one wait for the
     device), on a CPU with two: both leave every layer with the same working set and bookkeeping."""
     cache = padded_prefill()
     gen, moved = torch.Generator().manual_seed(seed), 0
     for layer in compressed(cache):
         state = layer.state
         state.query_sum = torch.randn(state.query_sum.shape, generator=gen).to(state.query_sum.device)
-        chosen = SentencePress._chosen(layer.state)
+        chosen = SentencePress.chosen(layer.state)
         twin = copy.deepcopy(layer)
-        copied = SentencePress._load(layer, chosen, one_read=True)
-        assert copied == SentencePress._load(twin, chosen, one_read=False)
+        copied = load(layer, chosen, one_read=True)
+        assert copied == load(twin, chosen, one_read=False)
         moved += copied
         for name in ("keys", "values", "positions"):
             assert torch.equal(getattr(layer, name), getattr(twin, name)), name

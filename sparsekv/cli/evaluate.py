@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 
 from .args import (
-    MODEL_HELP, PRESSES_HELP, TASK_NAMES, csv, fraction, int_at_least, placement, placement_args, press_specs,
+    MODEL_HELP,
+    PRESSES_HELP,
+    TASK_NAMES,
+    csv,
+    fraction,
+    int_at_least,
+    placement,
+    placement_args,
+    press_specs,
 )
 
 HELP = "RULER-style long-context evaluation: tasks x presses x ratios x lengths"

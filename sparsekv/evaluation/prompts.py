@@ -10,6 +10,7 @@ the very same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,3 +69,43 @@ def encode(tokenizer, sample: Sample) -> Prompt:
         return torch.tensor([tokenizer(text, add_special_tokens=add_special_tokens).input_ids], dtype=torch.long)
 
     return Prompt(ids(head, special), ids(tail, False))
+
+
+def weave(filler: list[str], inserts: list[tuple[float, str]]) -> str:
+    """`filler` sentences joined by spaces, each insert `(depth, text)` placed at its depth among them."""
+    at: dict[int, list[str]] = {}
+    for depth, text in inserts:
+        at.setdefault(round(depth * len(filler)), []).append(text)
+    out = []
+    for i in range(len(filler) + 1):
+        out += at.get(i, [])
+        out += filler[i : i + 1]
+    return " ".join(out)
+
+
+def fit_length(tokenizer, length: int, make: Callable[[int], Sample], task: str) -> Sample:
+    """The sample `make(n)` whose prompt is closest to `length` tokens, `n` being the amount of filler."""
+    cache: dict[int, int] = {}
+
+    def size(n: int) -> int:
+        if n not in cache:
+            cache[n] = len(encode(tokenizer, make(n)))
+        return cache[n]
+
+    if size(0) > 1.02 * length:
+        raise ValueError(f"--lengths: {length} tokens is too short for task {task!r}: it needs {size(0)} tokens.")
+    per_unit = max((size(64) - size(0)) / 64, 1e-3)
+    n, lo, hi = max(0, round((length - size(0)) / per_unit)), 0, None
+    for _ in range(16):  # secant steps, kept inside the bracket found so far
+        if abs(size(n) - length) <= 0.01 * length:
+            break
+        if size(n) < length:
+            lo = n + 1
+        else:
+            hi = n - 1
+        step = n + round((length - size(n)) / per_unit)
+        n = max(lo, min(step, hi if hi is not None else step))
+        if hi is not None and lo > hi:
+            break
+    best = min(cache, key=lambda k: abs(cache[k] - length))
+    return make(best)

@@ -23,7 +23,7 @@ import re
 import string
 from functools import lru_cache
 
-from .prompts import Sample
+from .prompts import Sample, fit_length, weave
 from .words import WORDS
 
 __all__ = ["PROSE_TASKS", "prose_sentences"]
@@ -100,8 +100,6 @@ def _prose(tokenizer, length, seed, depth, haystack, *, shape: str, n_keys: int,
 
     The first needle goes at `depth`, the others (distractors) at random depths.
     """
-    from .tasks import fit_length, weave
-
     rng = random.Random(seed)
     sentences = haystack or prose_sentences()
     start = rng.randrange(len(sentences))

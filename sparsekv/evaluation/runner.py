@@ -31,10 +31,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..cache import cache_footprint
 from ..environment import environment
 from ..models import MODELS, auto_device, require, sha256_file
 from ..prefill import Prefill, generate_from
+from ..stats import cache_footprint
 from .hub import is_hub_task, load_hub_task
 from .presses import check_press, is_full, make_press, press_options
 from .prompts import Prompt, Sample, encode

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .prompts import Sample, encode
+from .prompts import Sample, fit_length, weave
+from .prose import PROSE_TASKS
 from .words import WORDS
 
 __all__ = ["TASKS", "Sample", "Task", "fit_length", "read_haystack"]
@@ -51,46 +52,6 @@ def read_haystack(path: str | Path) -> list[str]:
     if not sentences:
         raise ValueError(f"--haystack: {str(path)!r} has no text.")
     return sentences
-
-
-def weave(filler: list[str], inserts: list[tuple[float, str]]) -> str:
-    """`filler` sentences joined by spaces, each insert `(depth, text)` placed at its depth among them."""
-    at: dict[int, list[str]] = {}
-    for depth, text in inserts:
-        at.setdefault(round(depth * len(filler)), []).append(text)
-    out = []
-    for i in range(len(filler) + 1):
-        out += at.get(i, [])
-        out += filler[i : i + 1]
-    return " ".join(out)
-
-
-def fit_length(tokenizer, length: int, make: Callable[[int], Sample], task: str) -> Sample:
-    """The sample `make(n)` whose prompt is closest to `length` tokens, `n` being the amount of filler."""
-    cache: dict[int, int] = {}
-
-    def size(n: int) -> int:
-        if n not in cache:
-            cache[n] = len(encode(tokenizer, make(n)))
-        return cache[n]
-
-    if size(0) > 1.02 * length:
-        raise ValueError(f"--lengths: {length} tokens is too short for task {task!r}: it needs {size(0)} tokens.")
-    per_unit = max((size(64) - size(0)) / 64, 1e-3)
-    n, lo, hi = max(0, round((length - size(0)) / per_unit)), 0, None
-    for _ in range(16):  # secant steps, kept inside the bracket found so far
-        if abs(size(n) - length) <= 0.01 * length:
-            break
-        if size(n) < length:
-            lo = n + 1
-        else:
-            hi = n - 1
-        step = n + round((length - size(n)) / per_unit)
-        n = max(lo, min(step, hi if hi is not None else step))
-        if hi is not None and lo > hi:
-            break
-    best = min(cache, key=lambda k: abs(cache[k] - length))
-    return make(best)
 
 
 def _filler(haystack: list[str] | None, n: int) -> list[str]:
@@ -265,10 +226,4 @@ TASKS: dict[str, Task] = {
 }
 
 
-def _add_prose_tasks() -> None:
-    from .prose import PROSE_TASKS  # imported here: prose builds on this module's fit_length and weave
-
-    TASKS.update({name: Task(make, tokens, "prose") for name, (make, tokens) in PROSE_TASKS.items()})
-
-
-_add_prose_tasks()
+TASKS.update({name: Task(make, tokens, "prose") for name, (make, tokens) in PROSE_TASKS.items()})

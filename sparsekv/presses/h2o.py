@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall, attention_probs, query_norm, rotate_projections
-from ..cache import Forward, KVLayer, SparseCache, victim_indices
+from ..buffers import victim_indices
+from ..cache import Forward, KVLayer, SparseCache
 from ..press import Press, check_number
 
 

@@ -1,127 +1,26 @@
-"""SentenceKV (Zhu et al., 2025, "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV Caching")."""
+"""SentenceKV (Zhu et al., 2025, "SentenceKV: Efficient LLM Inference via Sentence-Level Semantic KV Caching").
+
+The algorithm, as the paper lays it out: prefill (sec. 4.1) in `compress`, decoding (sec. 4.2, Algorithm 1) in
+`on_queries`, `similarity` and `chosen`. Its state: `sentence_state`; its executor (loading chosen tokens, and
+`plan="step"`): `sentence_step`.
+"""
 
 from __future__ import annotations
 
-import copy
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
-from ..attention import AttentionCall, query_norm, rotate, rotate_projections
-from ..cache import Forward, KVLayer, SparseCache, StoreLayer
-from ..layers import flat_index, gather_rows, offloaded
-from ..log import logger
+from ..attention import AttentionCall, query_norm, rotate
+from ..cache import Forward, KVLayer, SparseCache
 from ..press import check_number
 from ..segment import closes_sentence, sentence_ids
-from ..state import RowState, padded
+from ..store import StoreLayer
+from .sentence_state import SentenceLayerState, SentenceState, as_rows, end_sentence
+from .sentence_step import add_queries, load, loading_room, plan_step
 from .snapkv import SnapKVPress
-
-
-@dataclass
-class SentenceState(RowState):
-    """Per generation: each prompt token's sentence."""
-
-    sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
-    piece_ids: torch.Tensor | None = None  # (batch, read) a prompt read in pieces: its tokens until the last piece
-    step_ids: torch.Tensor | None = None  # (batch, q) the last forward's tokens, for `crop`
-    stack: LayerStack | None = None  # `plan="step"`: every layer's ranking state, once the layers are compressed
-    per_layer: bool = False  # `plan="step"` over layers on several devices: each layer ranks at its query
-
-
-@dataclass
-class LayerStack(RowState):
-    """`SentencePress(plan="step")`: the ranking state of every compressed layer, stacked on dim 1 (batch first,
-    then layers), so that a step ranks and loads for all layers with one set of ops. The fields are those of
-    `SentenceLayerState` with a layer dimension; sentences are padded to the layer with the most (empty ones: no
-    tokens, never loaded). Built from the layers' states at the first forward after the prompt, which give theirs
-    up (None): from then on this is the one copy.
-    """
-
-    ranks: dict[int, int] = field(default_factory=dict)  # layer index -> its index on dim 1
-    last: int = -1  # the last stacked layer's index: the step's queries join the sums after it
-    query_sum: torch.Tensor | None = None  # (batch, layers, kv_heads, 1, head_dim)
-    sentence_keys: torch.Tensor | None = None  # (batch, layers, kv_heads, sentences, head_dim or 2 head_dim)
-    sentence_sizes: torch.Tensor | None = None  # (batch, layers, 1, sentences)
-    slot_sentence: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
-    slot_room: torch.Tensor | None = None  # (batch, layers, 1, R)
-    resident: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
-    device_slot: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
-    step_queries: list | torch.Tensor = field(default_factory=list)  # per layer, the last forward's queries
-    # `(batch, kv_heads, q, d)`, or all layers' `(batch, layers, kv_heads, 1, d)` when they were added at once
-    projected: list = field(default_factory=list)  # per layer, a one-token step's query projection, until `last`
-    rope: torch.Tensor | None = None  # the RoPE matrix of those projections (the step's, shared by its layers)
-    store_positions: torch.Tensor | None = None  # (batch, layers, R) the layers' `store_positions`
-    loaded_positions: torch.Tensor | None = None  # (batch, layers, kv_heads, loaded) the loaded slots' positions,
-    # written for every layer at once; a layer's own are written when read (`OwedPositions`)
-    heads: int = 0  # query heads per layer
-    before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
-
-    shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
-    STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
-                                          "slot_room", "resident", "device_slot")
-
-
-class OwedPositions:
-    """The loaded slots' positions a stacked load left unwritten in one layer (`StoreLayer.owed`): the stack
-    keeps every layer's (`LayerStack.loaded_positions`, one write for all layers a step, where each layer had an
-    index and a write of its own), and they are written into the layer only when something reads its positions
-    (`prompt_kept`, `crop`; attention does not)."""
-
-    def __init__(self, stack: LayerStack, rank: int):
-        self.stack, self.rank = stack, rank
-
-    def pay(self, layer) -> None:
-        layer.owed = None  # first, and the tensor itself below (not `positions`): reading that would pay again
-        layer.__dict__["_positions"][..., : layer.state.loaded] = self.stack.loaded_positions[:, self.rank]
-
-
-@dataclass
-class SentenceLayerState(RowState):
-    """Per layer: the sentence vectors, the mean query, and which store slots are loaded where.
-
-    The layer's working set is `[loaded | sinks + recent window + generated tokens]`: its first `loaded` slots
-    hold selected store tokens in no particular order (a row's `fill` real ones, then fillers); only tokens
-    that enter the selection are copied in.
-    """
-
-    loaded: int = 0  # slots of the loaded region
-    sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim) eq. 1; (..., 2 head_dim) bounds
-    query_sum: torch.Tensor | None = None  # (batch, kv_heads, 1, head_dim): the sentence being generated
-    resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
-    device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
-    fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
-    slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
-    slot_room: torch.Tensor | None = None  # (batch, 1, R) see `loading_room`
-    sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
-    step_queries: torch.Tensor | None = None  # (batch, kv_heads, q, head_dim) the last forward's, for `crop`
-    before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
-
-    @classmethod
-    def joined(cls, states: list[SentenceLayerState]) -> SentenceLayerState:
-        """Rows prefilled apart, laid out as a batch prefilled together: sentences padded to the most (unused
-        ids: no tokens, never loaded) before each row's empty sentence, which stays last (`_fill_store`); store
-        slots padded to the widest (in the empty sentence, no room: never loaded); the loaded region to the
-        largest (its fillers last, `StoreLayer.filler_slot`)."""
-        if any(state.sentence_keys is None for state in states):  # kept whole: nothing to pad
-            return super().joined(states)
-        s = max(state.sentence_sizes.shape[-1] for state in states)
-        r = max(state.slot_sentence.shape[-1] for state in states)
-        twins = []
-        for state in states:
-            twin, empty = copy.copy(state), state.sentence_sizes.shape[-1] - 1
-            twin.loaded = max(other.loaded for other in states)
-            twin.sentence_keys = padded(state.sentence_keys, 2, s, 0, at=empty)
-            twin.sentence_sizes = padded(state.sentence_sizes, 2, s, 0, at=empty)
-            slot_sentence = state.slot_sentence.masked_fill(state.slot_sentence == empty, s - 1)
-            for name, value, fill in (("slot_sentence", slot_sentence, s - 1), ("slot_room", state.slot_room, 0),
-                                      ("resident", state.resident, False), ("device_slot", state.device_slot, 0)):
-                setattr(twin, name, padded(value, 2, r, fill))
-            twins.append(twin)
-        return super().joined(twins)
 
 
 @dataclass(kw_only=True)
@@ -129,70 +28,50 @@ class SentencePress(SnapKVPress):
     """Keep the prompt as sentences in an offload store; at every decoding step, attend to the sentences whose
     keys best match the mean query of the sentence being generated.
 
-    Prefill (paper sec. 4.1): the prompt is split into sentences (`sparsekv.segment`: Punkt, blank lines, long
-    sentences cut at mean + 2 std tokens, A.7, and at `max_sentence_tokens`). SnapKV's window scores, summed over
-    the heads, keep the best `keep_factor * budget` prompt tokens over all sentences besides the attention sinks
-    and the recent window, which stay on the device (A.7's global prefilter); their KV goes to the store on
-    `offload_device`, and each sentence's vector per KV head over its kept tokens (relative to the prompt's mean
-    key: `centre`) stays on the device: by default its keys' channel-wise bounds (`sentence_vector`), eq. 1's mean
-    one option away.
-    Decoding (sec. 4.2): the queries of the tokens of the sentence being generated are averaged (eq. 2; reset
-    after a token that ends a sentence; started by the prompt's unfinished last sentence: `prompt_sentence`), the
-    query heads of each GQA group averaged, and per KV head sentences are ranked by `q . k_s` (bounds: the most
-    any of its keys can score); the tokens of the best sentences (the first ones by position of the last
-    sentence, which is cut) are loaded until the budget.
-    Only tokens entering the selection are copied from the store, in one gather and one write per layer; none
-    when it did not change. Each layer's queries are captured after its projection (`on_queries`); by default
-    every layer's sentences are ranked and loaded at once when a step begins, from the queries before the step's
-    (`plan`). Attention reads sinks + loaded + recent window + generated.
+    Prefill (sec. 4.1): the prompt is split into sentences (`sparsekv.segment`: Punkt, blank lines, sentences over
+    mean + 2 std tokens cut, A.7). SnapKV's window scores, summed over the heads, keep the best `keep_factor *
+    budget` prompt tokens (A.7's global prefilter) besides the attention sinks and the recent window, which stay on
+    the device; the kept tokens' KV goes to the store, and each sentence's vector per KV head stays on the device.
+    Decoding (sec. 4.2, Algorithm 1): the queries of the sentence being generated are summed (eq. 2, reset after a
+    token that ends a sentence), the query heads of each GQA group together; per KV head the sentences are ranked
+    by their score against that query, and the tokens of the best ones are loaded until tau (the last sentence
+    taken cut at its first tokens). Only tokens entering the selection are copied. Attention reads the sinks, the
+    loaded tokens, the recent window and the generated tokens.
 
-    Choices the paper leaves open or sparsekv makes beyond it (`prompt_sentence`, `centre`, `max_sentence_tokens`,
-    `sentence_vector`, `plan` below, each with its measured effect in docs/results.md or docs/decode_vs_oracle.md):
-    where the sentence being generated starts, what RoPE does to eq. 1's mean keys, how long a sentence may be,
-    what stands for a sentence, and when a step ranks. `SentencePress(max_sentence_tokens=128,
-    sentence_vector="mean", plan="layer")` ranks sentences as the paper's eq. 1 and Algorithm 1.
-    The sinks and the recent window (32 + 32, from the authors' code; the paper names neither) come on top of
-    the tau loaded tokens, as the paper's tau counts retrieved tokens only.
+    Where sparsekv departs from the paper, each one option away (`max_sentence_tokens=128,
+    sentence_vector="mean", plan="layer"` is the paper's eq. 1 and Algorithm 1; their measured effect:
+    docs/results.md): sentences cut at 32 tokens, a sentence scored by the most any of its keys can score, keys
+    taken relative to the prompt's mean key, the generated sentence begun in the prompt, every layer ranked when a
+    step begins. The sinks and the window (32 + 32, the authors' code; the paper names neither) come on top of tau.
 
     Args:
         tokenizer: the model's tokenizer (required: sentences are found in the decoded prompt).
-        budget: tau, stored prompt tokens loaded and attended at each decoding step (Algorithm 1 line 17:
-            "retrieve top-tau tokens"); the `n_sinks` sinks and the recent window are attended besides (the
-            authors' code instead loads tau - 64, counting them in tau).
+        budget: tau, stored prompt tokens loaded and attended at each decoding step (Algorithm 1 line 17); the
+            sinks and the recent window are attended besides (the authors' code loads tau - 64 instead).
         ratio: tau as a fraction of each prompt, instead of `budget`. A prompt no longer than tau plus the sinks
             and the window is kept whole (every token attended, nothing offloaded).
-        keep_factor: r, prompt tokens kept in the store per token of tau (default 2, sec. 4.1 "r = 2 or 3"; the
-            paper's NIAH result uses 3).
+        keep_factor: r, prompt tokens kept in the store per token of tau (default 2, sec. 4.1 "r = 2 or 3").
         n_sinks: first prompt tokens always attended (default 32, the authors' code).
-        window_size: SnapKV's observation window, also the recent window always attended (default 32).
-        kernel_size: SnapKV's pooling kernel, in tokens (default 15, as `SnapKVPress`; the authors' code uses 7,
-            which in the measured cells found as many needles or fewer: docs/results.md, "SnapKV's pooling kernel").
-        pooling: SnapKV's pooling, "max" or "avg" (default "max", see `SnapKVPress`).
-        offload_device: where the store lives (default "cpu"; pinned memory when the model is on CUDA).
-        max_sentence_tokens: longest sentence bucket, in tokens; longer ones are cut into equal pieces (default 32,
-            sparsekv's: about the paper's median sentence of 25-30 tokens, A.4). In real prose mean + 2 std (A.7)
-            leaves sentences of 50-100 tokens, more than half the tokens of Python's reference manual, and a
-            short code inside one is lost in its vector; 128 (sparsekv's earlier default) leaves A.7 alone.
-        prompt_sentence: when the prompt ends inside a sentence (an answer prefix such as "The number is"), the
-            sentence being generated began in the prompt, and its prompt tokens' queries start the mean query
-            (default True). False: an empty sentence cache at the first step, as the paper's Fig. 2 (there, the
-            first generated digits' queries alone lose the needle). A prompt that ends a sentence starts empty.
-        centre: sentence vectors from each kept key minus the prompt's mean key (taken before RoPE, rotated back
-            to the key's position), default True. Without RoPE this ranks sentences as eq. 1 does (`q . mean` is
-            the same for all); with RoPE the shared component turns with position and ranks sentences by
-            distance, the recent and the first ones on top. False: eq. 1 on the cached keys.
-        sentence_vector: what stands for a sentence in the ranking. "bounds" (default, sparsekv's: Quest's page
-            bound applied to sentences): each channel's min and max over its kept keys, scored
-            `sum_i max(q_i min_i, q_i max_i)`, the most any of its keys can score: one token that matches the
-            query lifts its sentence, where a mean dilutes it among the sentence's other tokens (a code inside a
-            long prose sentence). Twice the device memory of a mean per sentence. "mean": eq. 1, scored `q . k_s`.
-        plan: when the sentences are ranked and loaded. "step" (default, sparsekv's): every layer's at once when a
-            step begins, from the mean query of the sentence's tokens before the step's (right after a sentence
-            end, each row keeps its selection until a token of the new sentence is seen): one ranking and three
-            host reads a step for all layers instead of a ranking and one or two reads per layer, which made a
-            step cost 1.33x the oracle's on a CPU against 1.14x (docs/decode_vs_oracle.md); the same answers in
-            every cell measured (docs/results.md). "layer" (the paper's Algorithm 1): each layer at each step,
-            once it has the step's query, which its mean query includes.
+        window_size: SnapKV's observation window, also the recent window always attended, in tokens (default 32).
+        kernel_size: SnapKV's pooling kernel, in tokens (default 15, as `SnapKVPress`; the authors' code uses 7).
+        pooling: SnapKV's pooling, "max" or "avg" (default "max").
+        offload_device: where the store lives (default "cpu", pinned when the model is on CUDA; checked at
+            construction).
+        max_sentence_tokens: longest sentence, in tokens; longer ones are cut into equal pieces (default 32,
+            sparsekv's: about the paper's median sentence, A.4; A.7's cut alone leaves prose sentences of 50-100).
+        prompt_sentence: when the prompt ends inside a sentence (an answer prefix), the sentence being generated
+            began in the prompt, and its prompt tokens' queries start the sum (default True, sparsekv's; False:
+            the paper's empty sentence cache at the first step).
+        centre: sentence vectors from each kept key minus the prompt's mean key (taken before RoPE, rotated back to
+            the key's position), so that the component every key shares, which RoPE turns with position, does not
+            rank sentences by distance (default True, sparsekv's; False: eq. 1 on the cached keys).
+        sentence_vector: what stands for a sentence. "bounds" (default, sparsekv's, Quest's page bound applied to
+            sentences): each channel's min and max over its kept keys, scored `sum_i max(q_i min_i, q_i max_i)`,
+            the most any of its keys can score (twice the device memory of a mean). "mean": eq. 1's mean key,
+            scored `q . k_s`.
+        plan: when sentences are ranked and loaded. "step" (default, sparsekv's): every layer's at once when a step
+            begins, from the queries before the step's (`sentence_step`); "layer" (Algorithm 1's order): each layer
+            once it has the step's query.
     """
 
     tokenizer: Any = field(default=None, repr=False, compare=False, kw_only=False)
@@ -269,7 +148,7 @@ class SentencePress(SnapKVPress):
         # None: no layer has work to do. Else sent to the device now, while it has little queued to wait for.
         forward.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
         if self.plan == "step":
-            self._plan_step(cache)
+            plan_step(self, cache)
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
@@ -313,7 +192,7 @@ class SentencePress(SnapKVPress):
         state = layer.state
         state.slot_room = loading_room(state.slot_sentence[:, :1], state.sentence_sizes, state.fill)
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
-        self._load(layer, self._chosen(layer.state))
+        load(layer, self.chosen(layer.state))
 
     @staticmethod
     def _shared_keys(layer, call, valid, store):
@@ -391,7 +270,7 @@ class SentencePress(SnapKVPress):
         if stack is not None and call.rope is not None and call.input_valid is None \
                 and not query_norm(call.module) is not None and (stack.rope is None or stack.rope is call.rope):
             # `plan="step"`, one token: its projection is kept as it is, and every layer's is grouped and rotated
-            # at once after the last layer (`_add_queries`): no op here.
+            # at once after the last layer (`add_queries`): no op here.
             stack.projected[stack.ranks[call.module.layer_idx]], stack.rope = call.projected, call.rope
             return
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
@@ -406,10 +285,10 @@ class SentencePress(SnapKVPress):
             return
         layer.state.query_sum += added
         layer.state.step_queries, layer.state.before_reset = queries, None  # kept for `crop`, no copy
-        chosen = self._chosen(layer.state)
+        chosen = self.chosen(layer.state)
         cache.seconds["select"] += time.perf_counter() - start
         start = time.perf_counter()
-        copied = self._load(layer, chosen)
+        copied = load(layer, chosen)
         cache.seconds["load"] += time.perf_counter() - start
         cache.counts["loaded_tokens"] += copied
         cache.counts["loads"] += copied > 0
@@ -428,7 +307,7 @@ class SentencePress(SnapKVPress):
         return torch.matmul(keys, query.transpose(-1, -2)).squeeze(-1)
 
     @classmethod
-    def _chosen(cls, state) -> torch.Tensor:
+    def chosen(cls, state) -> torch.Tensor:
         """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head, from a
         layer's state (or `(b, layers, h, R)` from a `LayerStack`)."""
         similarity = cls.similarity(state)
@@ -439,43 +318,11 @@ class SentencePress(SnapKVPress):
         through = torch.empty_like(through).scatter_(-1, ranked, through)  # back in sentence order
         return through.gather(-1, state.slot_sentence) < state.slot_room
 
-    @staticmethod
-    def _load(layer, chosen, one_read: bool | None = None) -> int:
-        """Make the store slots `chosen` `(b, h, R)` the loaded ones, copying only those not resident yet (one
-        gather from the store and one write per tensor, every head at once). Returns the tokens copied.
-
-        Each entering token takes the device slot of one that leaves: every head holds `fill` chosen slots, so
-        per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
-        not care about slot order (keys carry their RoPE), so the loaded region needs none.
-        """
-        resident, layer.state.resident = layer.state.resident, chosen
-        if one_read is None:  # on a CPU a host read costs an op; on a GPU each waits for the device to drain
-            one_read = chosen.device.type != "cpu"
-        if resident is None:  # at compress: the region is free, chosen slots fill it from the front
-            row, head, slot = chosen.nonzero().unbind(-1)
-            target = (chosen.cumsum(-1) - 1)[chosen]
-        elif not one_read:
-            row, head, slot = (chosen > resident).nonzero().unbind(-1)
-            target = layer.state.device_slot[resident > chosen]  # the slots of those that leave
-        else:
-            # Those that enter (chosen, not resident) and those that leave, found by one `nonzero` (one read on
-            # the host): as many of each per head, so the first half of its rows enters, the second leaves.
-            pairs = torch.stack([chosen > resident, resident > chosen]).nonzero()
-            n = pairs.shape[0] // 2
-            _, row, head, slot = pairs[:n].unbind(-1)
-            _, *leaving = pairs[n:].unbind(-1)
-            target = layer.state.device_slot[tuple(leaving)]  # the slots of those that leave
-        if slot.numel() == 0:  # the selection did not change: everything is resident already
-            return 0
-        layer.load(row, head, slot, target)
-        layer.state.device_slot[row, head, slot] = target
-        return slot.numel()
-
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         closing, state, stack = cache.forward.plan, layer.state, cache.state.stack
         if stack is not None:  # every layer's at once, after the last
             if call.module.layer_idx == stack.last:
-                self._add_queries(cache, stack)
+                add_queries(cache, stack)
                 end_sentence(stack, closing)
         elif state.query_sum is not None:
             end_sentence(state, closing)
@@ -502,162 +349,3 @@ class SentencePress(SnapKVPress):
                 state.query_sum.masked_fill_(as_rows(ends, state.query_sum), 0.0)
             state.before_reset = None
             state.step_queries = None if stack is None else [None] * len(stack.ranks)
-
-    # --- plan="step" ---------------------------------------------------------------------------------------------
-    def _plan_step(self, cache: SparseCache) -> None:
-        """Rank and load every layer's sentences for the forward about to run, from the sums of the queries so far
-        (`plan="step"`); at the first forward after the prompt, stack the layers' states first."""
-        stack = cache.state.stack
-        if stack is None and not cache.state.per_layer:
-            stack = cache.state.stack = self._stack(cache)
-        if stack is None:  # the prompt, no layer compressed (every prompt token attended), or layers apart
-            return
-        start = time.perf_counter()
-        chosen = self._chosen(stack)
-        # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
-        empty = (stack.query_sum == 0).flatten(1).all(1)
-        chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
-        cache.seconds["select"] += time.perf_counter() - start
-        start = time.perf_counter()
-        copied = self._load_all(cache, stack, chosen)
-        cache.seconds["load"] += time.perf_counter() - start
-        cache.counts["loaded_tokens"] += copied
-        cache.counts["loads"] += copied > 0
-        cache.counts["selections"] += len(stack.ranks)
-        stack.step_queries = [None] * len(stack.ranks)
-
-    @staticmethod
-    def _add_queries(cache: SparseCache, stack: LayerStack) -> None:
-        """Add the one-token step's queries that `on_queries` kept as projections to every layer's sum: grouped by
-        KV head and rotated in one product for all layers (the step's RoPE matrix, tiled over a group), where each
-        layer took five ops of its own."""
-        kept = [i for i, projected in enumerate(stack.projected) if projected is not None]
-        if not kept:
-            return
-        start = time.perf_counter()
-        kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
-        matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
-        queries = rotate_projections([stack.projected[i] for i in kept], matrix, heads * d).float()
-        if len(kept) == len(stack.projected):  # every layer's (the common case)
-            stack.query_sum += queries
-            stack.step_queries = queries  # for `crop`, stacked
-        else:
-            stack.query_sum.index_add_(1, torch.tensor(kept, device=queries.device), queries)
-            for j, i in enumerate(kept):
-                stack.step_queries[i] = queries[:, j]
-        stack.before_reset = None
-        stack.projected, stack.rope = [None] * len(stack.projected), None
-        cache.seconds["select"] += time.perf_counter() - start
-
-    @staticmethod
-    def _stack(cache: SparseCache) -> LayerStack | None:
-        """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
-        their ranking state to it. All have the same store width (the budget sets it). Layers on several devices
-        (a `device_map` over GPUs) are not stacked: each ranks at its query (`plan="layer"`), and the `sparsekv`
-        logger says so."""
-        indices = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
-        layers = [cache.layers[i] for i in indices]
-        if not layers or any(layer.state.resident is None for layer in layers):
-            return None
-        devices = {layer.state.resident.device for layer in layers}
-        if len(devices) > 1:
-            _ranked_per_layer(tuple(sorted(map(str, devices))))
-            cache.state.per_layer = True
-            return None
-        width = max(layer.state.sentence_keys.shape[2] for layer in layers)
-        stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1],
-                           heads=cache.config.get_text_config(decoder=True).num_attention_heads)
-        for name in LayerStack.STACKED:
-            parts = [getattr(layer.state, name) for layer in layers]
-            if name == "sentence_keys":
-                parts = [nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in parts]
-            elif name == "sentence_sizes":
-                parts = [nn.functional.pad(t, (0, width - t.shape[2])) for t in parts]
-            setattr(stack, name, torch.stack(parts, dim=1))
-            for layer in layers:
-                setattr(layer.state, name, None)
-        stack.store_positions = torch.stack([layer.store_positions for layer in layers], dim=1)
-        loaded = layers[0].state.loaded  # every layer's: the budget sets it
-        stack.loaded_positions = torch.stack([layer.positions[..., :loaded] for layer in layers], dim=1)
-        stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
-        return stack
-
-    @staticmethod
-    def _load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:
-        """`_load` for every layer at once: the slots entering and leaving each layer's selection found by one
-        `nonzero` over the stack (one read on the host; layers first, so each layer's are consecutive), then each
-        layer whose selection changed loads its own. Returns the tokens copied."""
-        resident, stack.resident = stack.resident, chosen
-        pairs = torch.stack([chosen > resident, resident > chosen]).transpose(1, 2).nonzero()
-        n = pairs.shape[0] // 2  # as many leave as enter, per layer, row and head: they pair up in order
-        if n == 0:
-            return 0
-        _, lay, row, head, slot = pairs[:n].unbind(-1)
-        _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
-        target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
-        stack.device_slot[row, lay, head, slot] = target
-        stack.loaded_positions[row, lay, head, target] = stack.store_positions[row, lay, slot]  # every layer's
-        layers = cache.compressed_layers()
-        store = layers[0].store_keys  # every layer's has the same shape (the stack's)
-        elsewhere = offloaded(store, row.device)
-        # An offloaded store: the entering slots copied to its device once for every layer (on a GPU one wait, not
-        # one a layer), where each layer's are counted too.
-        entering = pairs[:n].to(store.device) if elsewhere else pairs[:n]
-        counts = torch.bincount(entering[:, 1], minlength=len(layers)).tolist()
-        ranks = [rank for rank, count in enumerate(counts) if count]
-        loading, sizes = [layers[rank] for rank in ranks], [counts[rank] for rank in ranks]
-        rows = [None] * len(sizes)
-        if elsewhere:  # every loading layer's rows gathered into one pinned buffer: one copy to the GPU per tensor
-            index = flat_index(store, *entering[:, 2:].unbind(-1)).split(sizes)
-            keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
-                            .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
-            rows = list(zip(keys, values))
-        for rank, layer, *part in zip(ranks, loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
-            # each layer's part of the indices (one `split` each, not a slice per layer); positions: the stack's
-            layer.load(*part, owed=OwedPositions(stack, rank))
-        return n
-
-
-@functools.lru_cache(maxsize=None)
-def _ranked_per_layer(devices: tuple[str, ...]) -> None:
-    """Say once per set of devices that `plan="step"` ranks each layer at its query there."""
-    logger.warning("SentencePress: the layers are on several devices (%s), so plan='step' cannot rank them at "
-                   "once; each layer ranks at its own query instead, as with plan='layer'.", ", ".join(devices))
-
-
-def end_sentence(state, closing: torch.Tensor | None) -> None:
-    """Rows `closing` `(batch,)` ended a sentence: their mean query (a layer's `query_sum`, or a stack's) starts
-    anew, and the sums before are kept for `crop`. None: no row did."""
-    if closing is not None:
-        state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
-        state.query_sum.masked_fill_(as_rows(closing, state.query_sum), 0.0)  # a new sentence starts
-
-
-def as_rows(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-row flag `(batch,)` shaped to broadcast over `like` `(batch, ...)`, on its device: a mask to fill
-    with, where indexing by it would wait for the device to count the rows."""
-    return rows.to(like.device).view(-1, *[1] * (like.dim() - 1))
-
-
-def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """Per store slot `(b, 1, R)`, the bound under which the stored tokens of the sentences ranked up to its own
-    (its own included: `through`) must stay for the slot to be loaded: `fill + size - rank`, i.e. the tokens
-    ranked before the slot, `through - size + rank`, are fewer than `fill`. 0 for empty slots: never loaded.
-
-    `slot_sentence` `(b, 1, R)` is sorted by position within each sentence; `sizes` `(b, 1, S)` counts each
-    sentence's stored tokens; `fill` `(b, 1, 1)` the loaded slots of each row.
-    """
-    rank = rank_in_sentence(slot_sentence, sizes.shape[-1])
-    size = sizes.gather(-1, slot_sentence)
-    return torch.where(rank < size, fill + size - rank, 0)
-
-
-def rank_in_sentence(sentence: torch.Tensor, n_sentences: int) -> torch.Tensor:
-    """For slots sorted by position with sentence ids `sentence` `(..., R)` in [0, n_sentences), each slot's index
-    among the slots of its sentence."""
-    order = sentence.argsort(dim=-1, stable=True)  # grouped by sentence, by position within a sentence
-    sizes = torch.zeros(*sentence.shape[:-1], n_sentences, dtype=torch.long, device=sentence.device)
-    sizes.scatter_add_(-1, sentence, torch.ones_like(sentence))
-    first = sizes.cumsum(-1) - sizes  # index in `order` of each sentence's first slot
-    ranks = torch.arange(sentence.shape[-1], device=sentence.device) - first.gather(-1, sentence.gather(-1, order))
-    return torch.empty_like(ranks).scatter_(-1, order, ranks)

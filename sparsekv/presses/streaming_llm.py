@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall
-from ..cache import KVLayer, SparseCache, victim_indices
+from ..buffers import victim_indices
+from ..cache import KVLayer, SparseCache
 from ..press import Press, check_number
 
 

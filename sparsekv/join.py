@@ -1,0 +1,86 @@
+"""Rows prefilled apart, joined into one batch laid out as a batch prefilled together (`SparseCache.join`)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import Cache
+
+from .state import RowState
+
+
+def join_caches(caches: list, consume: bool = False):
+    """One cache holding the rows of `caches`, in order, laid out as if their prompts had been prefilled
+    together: a batch whose prefill's peak memory was one cache's, not the batch's.
+
+    Each cache holds a prompt (left-padded to one length across the caches, with its attention mask, as a
+    batch would be), built under the same press, with no forward under way. Its press must declare
+    `joins_rows`. The result is a copy; the caches are left as they were, unless `consume`: then each
+    cache's layers are released as soon as they are joined (the caches are unusable after), so that the rows'
+    KV is never held twice, only one layer's.
+    """
+    caches = list(caches)
+    if not caches or not all(type(c) is type(caches[0]) and hasattr(c, "press") for c in caches):
+        raise ValueError("caches: give one or more sparsekv caches (a press's `make_cache`, or the cache of a "
+                         "prompt prefilled under a press).")
+    first = caches[0]
+    press = first.press
+    if any(c.press != press for c in caches):
+        raise ValueError("caches: they were built under different presses "
+                         f"({sorted({repr(c.press) for c in caches})}); join caches of one press.")
+    check_joins_rows(press)
+    if any(c.prompt_lengths is None or c.forward is not None or c.pieces is not None for c in caches):
+        raise ValueError("caches: each must hold a whole prompt, with no forward under way (a cache before its "
+                         "prompt, or a prompt read in pieces before its last, cannot be joined).")
+    lengths = {c.get_seq_length() for c in caches}
+    if len(lengths) > 1:
+        raise ValueError(f"caches: they hold prompts of different lengths ({sorted(lengths)}); left-pad the "
+                         "prompts to one length (with their attention mask) before prefilling them apart.")
+    if len({c.budgets is None for c in caches}) > 1:
+        raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
+    out = type(first)(press, first.config)
+    out.layers = join_layers(caches, consume)
+    for name in ("prompt_lengths", "prompt_start", "budgets"):
+        values = [getattr(c, name) for c in caches]
+        setattr(out, name, None if values[0] is None else torch.cat(values))
+    out.state = None if first.state is None else type(first.state).joined([c.state for c in caches])
+    for c in caches:
+        for key, value in c.seconds.items():
+            out.seconds[key] += value
+        for key, value in c.counts.items():
+            out.counts[key] += value
+    return out
+
+
+def check_joins_rows(press) -> None:
+    """Refuse a press whose caches cannot be joined (`Press.joins_rows` False)."""
+    if not press.joins_rows:
+        raise ValueError(f"{type(press).__name__}: cannot join caches prefilled apart (its state is not laid out "
+                         "per row alike: joins_rows is False); prefill the rows together.")
+
+
+def join_layers(caches: list[Cache], consume: bool) -> list:
+    """Every layer of `caches` joined (`joined_layer`), in order; `consume`: each cache's layer released once
+    joined, so that at most one layer's rows are held twice."""
+    layers = []
+    for i in range(len(caches[0].layers)):
+        layers.append(joined_layer([c.layers[i] for c in caches]))
+        if consume:
+            for c in caches:
+                c.layers[i] = None
+    return layers
+
+
+def joined_layer(layers: list):
+    """The rows of one layer of several caches: a sparsekv layer joins itself (`KVLayer.joined`); transformers'
+    own layers (sliding windows) hold one tensor of keys and one of values, batch first."""
+    if isinstance(layers[0], RowState):  # a sparsekv layer
+        return type(layers[0]).joined(layers)
+    if any(layer.keys.shape[2:] != layers[0].keys.shape[2:] for layer in layers):
+        raise ValueError("sparsekv: these layers cannot be joined: they hold different numbers of tokens; join "
+                         "caches of prompts padded to one length.")
+    out = copy.copy(layers[0])
+    out.keys = torch.cat([layer.keys for layer in layers])
+    out.values = torch.cat([layer.values for layer in layers])
+    return out

@@ -1,0 +1,191 @@
+"""SentenceKV's executor: what copies store tokens into a layer's working set (`load`), and `plan="step"`, which
+ranks and loads every layer's sentences at once when a step begins (`plan_step`), over one stack of their states
+(`LayerStack`). The algorithm it executes is `sparsekv.presses.sentencekv`'s."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from torch import nn
+
+from ..attention import rotate_projections
+from ..cache import KVLayer, SparseCache
+from ..log import logger
+from ..store import flat_index, gather_rows, offloaded
+from .sentence_state import LayerStack, OwedPositions
+
+
+def load(layer, chosen, one_read: bool | None = None) -> int:
+    """Make the store slots `chosen` `(b, h, R)` the loaded ones, copying only those not resident yet (one
+    gather from the store and one write per tensor, every head at once). Returns the tokens copied.
+
+    Each entering token takes the device slot of one that leaves: every head holds `fill` chosen slots, so
+    per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
+    not care about slot order (keys carry their RoPE), so the loaded region needs none.
+    """
+    resident, layer.state.resident = layer.state.resident, chosen
+    if one_read is None:  # on a CPU a host read costs an op; on a GPU each waits for the device to drain
+        one_read = chosen.device.type != "cpu"
+    if resident is None:  # at compress: the region is free, chosen slots fill it from the front
+        row, head, slot = chosen.nonzero().unbind(-1)
+        target = (chosen.cumsum(-1) - 1)[chosen]
+    elif not one_read:
+        row, head, slot = (chosen > resident).nonzero().unbind(-1)
+        target = layer.state.device_slot[resident > chosen]  # the slots of those that leave
+    else:
+        # Those that enter (chosen, not resident) and those that leave, found by one `nonzero` (one read on
+        # the host): as many of each per head, so the first half of its rows enters, the second leaves.
+        pairs = torch.stack([chosen > resident, resident > chosen]).nonzero()
+        n = pairs.shape[0] // 2
+        _, row, head, slot = pairs[:n].unbind(-1)
+        _, *leaving = pairs[n:].unbind(-1)
+        target = layer.state.device_slot[tuple(leaving)]  # the slots of those that leave
+    if slot.numel() == 0:  # the selection did not change: everything is resident already
+        return 0
+    layer.load(row, head, slot, target)
+    layer.state.device_slot[row, head, slot] = target
+    return slot.numel()
+
+
+def plan_step(press, cache: SparseCache) -> None:
+    """Rank and load every layer's sentences for the forward about to run, from the sums of the queries so far
+    (`plan="step"`); at the first forward after the prompt, stack the layers' states first."""
+    stack = cache.state.stack
+    if stack is None and not cache.state.per_layer:
+        stack = cache.state.stack = stack_layers(cache)
+    if stack is None:  # the prompt, no layer compressed (every prompt token attended), or layers apart
+        return
+    start = time.perf_counter()
+    chosen = press.chosen(stack)
+    # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
+    empty = (stack.query_sum == 0).flatten(1).all(1)
+    chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
+    cache.seconds["select"] += time.perf_counter() - start
+    start = time.perf_counter()
+    copied = load_all(cache, stack, chosen)
+    cache.seconds["load"] += time.perf_counter() - start
+    cache.counts["loaded_tokens"] += copied
+    cache.counts["loads"] += copied > 0
+    cache.counts["selections"] += len(stack.ranks)
+    stack.step_queries = [None] * len(stack.ranks)
+
+def add_queries(cache: SparseCache, stack: LayerStack) -> None:
+    """Add the one-token step's queries that `on_queries` kept as projections to every layer's sum: grouped by
+    KV head and rotated in one product for all layers (the step's RoPE matrix, tiled over a group), where each
+    layer took five ops of its own."""
+    kept = [i for i, projected in enumerate(stack.projected) if projected is not None]
+    if not kept:
+        return
+    start = time.perf_counter()
+    kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
+    matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
+    queries = rotate_projections([stack.projected[i] for i in kept], matrix, heads * d).float()
+    if len(kept) == len(stack.projected):  # every layer's (the common case)
+        stack.query_sum += queries
+        stack.step_queries = queries  # for `crop`, stacked
+    else:
+        stack.query_sum.index_add_(1, torch.tensor(kept, device=queries.device), queries)
+        for j, i in enumerate(kept):
+            stack.step_queries[i] = queries[:, j]
+    stack.before_reset = None
+    stack.projected, stack.rope = [None] * len(stack.projected), None
+    cache.seconds["select"] += time.perf_counter() - start
+
+def stack_layers(cache: SparseCache) -> LayerStack | None:
+    """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
+    their ranking state to it. All have the same store width (the budget sets it). Layers on several devices
+    (a `device_map` over GPUs) are not stacked: each ranks at its query (`plan="layer"`), and the `sparsekv`
+    logger says so."""
+    indices = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
+    layers = [cache.layers[i] for i in indices]
+    if not layers or any(layer.state.resident is None for layer in layers):
+        return None
+    devices = {layer.state.resident.device for layer in layers}
+    if len(devices) > 1:
+        _ranked_per_layer(tuple(sorted(map(str, devices))))
+        cache.state.per_layer = True
+        return None
+    width = max(layer.state.sentence_keys.shape[2] for layer in layers)
+    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1],
+                       heads=cache.config.get_text_config(decoder=True).num_attention_heads)
+    for name in LayerStack.STACKED:
+        parts = [getattr(layer.state, name) for layer in layers]
+        if name == "sentence_keys":
+            parts = [nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in parts]
+        elif name == "sentence_sizes":
+            parts = [nn.functional.pad(t, (0, width - t.shape[2])) for t in parts]
+        setattr(stack, name, torch.stack(parts, dim=1))
+        for layer in layers:
+            setattr(layer.state, name, None)
+    stack.store_positions = torch.stack([layer.store_positions for layer in layers], dim=1)
+    loaded = layers[0].state.loaded  # every layer's: the budget sets it
+    stack.loaded_positions = torch.stack([layer.positions[..., :loaded] for layer in layers], dim=1)
+    stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
+    return stack
+
+def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:
+    """`_load` for every layer at once: the slots entering and leaving each layer's selection found by one
+    `nonzero` over the stack (one read on the host; layers first, so each layer's are consecutive), then each
+    layer whose selection changed loads its own. Returns the tokens copied."""
+    resident, stack.resident = stack.resident, chosen
+    pairs = torch.stack([chosen > resident, resident > chosen]).transpose(1, 2).nonzero()
+    n = pairs.shape[0] // 2  # as many leave as enter, per layer, row and head: they pair up in order
+    if n == 0:
+        return 0
+    _, lay, row, head, slot = pairs[:n].unbind(-1)
+    _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
+    target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
+    stack.device_slot[row, lay, head, slot] = target
+    stack.loaded_positions[row, lay, head, target] = stack.store_positions[row, lay, slot]  # every layer's
+    layers = cache.compressed_layers()
+    store = layers[0].store_keys  # every layer's has the same shape (the stack's)
+    elsewhere = offloaded(store, row.device)
+    # An offloaded store: the entering slots copied to its device once for every layer (on a GPU one wait, not
+    # one a layer), where each layer's are counted too.
+    entering = pairs[:n].to(store.device) if elsewhere else pairs[:n]
+    counts = torch.bincount(entering[:, 1], minlength=len(layers)).tolist()
+    ranks = [rank for rank, count in enumerate(counts) if count]
+    loading, sizes = [layers[rank] for rank in ranks], [counts[rank] for rank in ranks]
+    rows = [None] * len(sizes)
+    if elsewhere:  # every loading layer's rows gathered into one pinned buffer: one copy to the GPU per tensor
+        index = flat_index(store, *entering[:, 2:].unbind(-1)).split(sizes)
+        keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
+                        .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
+        rows = list(zip(keys, values))
+    for rank, layer, *part in zip(ranks, loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
+        # each layer's part of the indices (one `split` each, not a slice per layer); positions: the stack's
+        layer.load(*part, owed=OwedPositions(stack, rank))
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _ranked_per_layer(devices: tuple[str, ...]) -> None:
+    """Say once per set of devices that `plan="step"` ranks each layer at its query there."""
+    logger.warning("SentencePress: the layers are on several devices (%s), so plan='step' cannot rank them at "
+                   "once; each layer ranks at its own query instead, as with plan='layer'.", ", ".join(devices))
+
+
+def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """Per store slot `(b, 1, R)`, the bound under which the stored tokens of the sentences ranked up to its own
+    (its own included: `through`) must stay for the slot to be loaded: `fill + size - rank`, i.e. the tokens
+    ranked before the slot, `through - size + rank`, are fewer than `fill`. 0 for empty slots: never loaded.
+
+    `slot_sentence` `(b, 1, R)` is sorted by position within each sentence; `sizes` `(b, 1, S)` counts each
+    sentence's stored tokens; `fill` `(b, 1, 1)` the loaded slots of each row.
+    """
+    rank = rank_in_sentence(slot_sentence, sizes.shape[-1])
+    size = sizes.gather(-1, slot_sentence)
+    return torch.where(rank < size, fill + size - rank, 0)
+
+
+def rank_in_sentence(sentence: torch.Tensor, n_sentences: int) -> torch.Tensor:
+    """For slots sorted by position with sentence ids `sentence` `(..., R)` in [0, n_sentences), each slot's index
+    among the slots of its sentence."""
+    order = sentence.argsort(dim=-1, stable=True)  # grouped by sentence, by position within a sentence
+    sizes = torch.zeros(*sentence.shape[:-1], n_sentences, dtype=torch.long, device=sentence.device)
+    sizes.scatter_add_(-1, sentence, torch.ones_like(sentence))
+    first = sizes.cumsum(-1) - sizes  # index in `order` of each sentence's first slot
+    ranks = torch.arange(sentence.shape[-1], device=sentence.device) - first.gather(-1, sentence.gather(-1, order))
+    return torch.empty_like(ranks).scatter_(-1, order, ranks)

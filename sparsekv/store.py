@@ -1,0 +1,246 @@
+"""A layer whose KV lives in a store (on any device) besides the working set attention reads, gathered or loaded
+from it: CHESS keeps every token there and gathers pages, SentenceKV offloads the prompt and loads sentences."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .layers import KVLayer, _Written
+from .state import padded
+
+
+class _Owed(_Written):
+    """`StoreLayer.positions`: also the loaded slots' positions that a load left to be written when read
+    (`StoreLayer.owed`), written before anyone reads or replaces the tensor."""
+
+    def __get__(self, layer, owner=None):
+        if layer is not None and layer.owed is not None:
+            layer.owed.pay(layer)
+        return super().__get__(layer, owner)
+
+    def __set__(self, layer, value):
+        if layer.__dict__.get("owed") is not None:
+            layer.owed.pay(layer)
+        super().__set__(layer, value)
+
+
+class StoreLayer(KVLayer):
+    """A layer whose KV lives in a store; attention reads a working set (`keys` / `values`) made from it.
+
+    Attributes:
+        store_keys, store_values: `(batch, kv_heads, R, head_dim)` on `store_device`.
+        store_positions: `(batch, R)` absolute position of each store slot.
+        store_device: where the store lives; None: the attention's device. A CPU store of a CUDA model is pinned,
+            so that loads can overlap compute.
+        records_tokens: every token seen is written to the store at its position (slot = position, the store
+            grows), and attention reads the store itself until a working set is selected (`gather`). False: the
+            store is filled once (`fill_store`) and new tokens go to the working set only.
+        owed: None, or what a load left unwritten of `positions` (an object whose `pay(layer)` writes it, and sets
+            `owed` to None): a plan that loads every layer at once keeps the loaded slots' positions of all of
+            them and writes a layer's only when something reads them (attention never does). Not per-row state:
+            the plan's state holds the values and is reordered with the cache.
+    """
+
+    positions = _Owed()
+
+    @classmethod
+    def joined(cls, layers: list[KVLayer]) -> KVLayer:
+        """The rows of store layers filled once at the prompt (`fill_store`), as a batch prefilled together holds
+        them: each row's store padded at its end to the widest (empty slots, which its state never loads), the
+        working sets as `KVLayer.joined` with fillers at `filler_slot`. A store that records every token
+        (CHESS's) is refused, and so are rows of which some kept their prompt whole (no store) and others not."""
+        if any(layer.records_tokens for layer in layers):
+            raise ValueError("sparsekv: layers whose store records every token (CHESS) cannot be joined; prefill "
+                             "their rows together.")
+        stored = [layer.store_keys is not None for layer in layers]
+        if not any(stored):  # every prompt was short enough to be kept whole: plain layers
+            return super().joined(layers)
+        if not all(stored):
+            raise ValueError(f"sparsekv: the caches {[i for i, s in enumerate(stored) if not s]} (in the order "
+                             "joined) kept their prompts whole (each shorter than the tokens the press attends) and "
+                             "the others did not: a batch prefilled together compresses them all; prefill these "
+                             "rows together with a longer one (`rows_at_once`), or the batch together.")
+        r = max(layer.store_keys.shape[2] for layer in layers)
+        copies = []
+        for layer in layers:
+            twin = copy.copy(layer)
+            # Empty slots at the last position, as `fill_store` gets them from a batch prefilled together.
+            twin.store_positions = padded(layer.store_positions, 1, r, layer.logical_len - 1)
+            twin.store_keys = twin.store_values = None  # joined below, straight into (pinned) memory
+            copies.append(twin)
+        out = super().joined(copies)
+        out.store_keys, out.store_values = (_joined_store([getattr(layer, name) for layer in layers], r)
+                                            for name in ("store_keys", "store_values"))
+        return out
+
+    def filler_slot(self) -> int:
+        """A working set may begin with a region loaded from the store (its state's `loaded` slots, SentenceKV's),
+        whose fillers come last within it: a joined row's go there too."""
+        return getattr(self.state, "loaded", 0)
+
+    def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False, state=None):
+        self.owed = None
+        super().__init__(state)
+        self.store_device = None if store_device is None else torch.device(store_device)
+        self.records_tokens = records_tokens
+        self.store_keys = self.store_values = self.store_positions = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.records_tokens:
+            return super().update(key_states, value_states, valid=valid)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, (b, h, q, _) = self.logical_len, key_states.shape
+        self._record(key_states, value_states, start)
+        if self.compressed:  # a working set was gathered: new tokens join it
+            return super().update(key_states, value_states, valid=valid)
+        # No working set yet: attention reads the store itself (views, no copy).
+        self.valid = torch.cat([self.valid, self._new_valid(valid, b, q)], dim=-1)
+        self.logical_len = start + q
+        self._view_store()
+        return self.keys, self.values
+
+    def _view_store(self) -> None:
+        """Attention's tensors as views of the store's first `logical_len` slots (slot = position)."""
+        b, h = self.store_keys.shape[:2]
+        end = self.logical_len
+        self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
+        self.positions = self.store_positions[:, None, :end].expand(b, h, end)
+
+    def read_store(self, valid: torch.Tensor) -> None:
+        """Drop the working set: attention reads the store itself again, every token seen (`valid` `(batch,
+        seen)`: which are real), as before the first `gather`, until the next one. Views, no copy."""
+        self._view_store()
+        self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False
+
+    def _record(self, keys, values, start):
+        """Write tokens `start:` at their slots; grow the store by an eighth when full (the prompt and 256 more
+        at first): a few copies over a long generation, little unused room."""
+        end = start + keys.shape[-2]
+        if self.store_keys is None or end > self.store_keys.shape[-2]:
+            capacity = end + (256 if self.store_keys is None else max(256, end // 8))
+            b, h, _, d = keys.shape
+            grown = [t.new_empty(b, h, capacity, t.shape[-1]) for t in (keys, values)]
+            if self.store_keys is not None:
+                grown[0][:, :, :start], grown[1][:, :, :start] = self.store_keys[:, :, :start], \
+                    self.store_values[:, :, :start]
+            self.store_keys, self.store_values = grown
+            self.store_positions = torch.arange(capacity, device=keys.device).expand(b, capacity)
+        self.store_keys[:, :, start:end] = keys
+        self.store_values[:, :, start:end] = values
+
+    def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store."""
+        device = self.store_device or keys.device
+        if device.type == "cpu" and keys.is_cuda:  # pinned, so that loads copy back asynchronously
+            # Straight into pinned memory: one copy from the GPU, where `.to("cpu").pin_memory()` makes two.
+            keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in (keys, values))
+        self.store_keys, self.store_values = keys.to(device), values.to(device)
+        self.store_positions = positions
+
+    def gather(self, slots: torch.Tensor, valid: torch.Tensor, all_valid: bool | None = None) -> None:
+        """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `all_valid`:
+        whether every one of them is real, when the caller knows (else read from `valid`, a wait on a GPU)."""
+        b, h = self.store_keys.shape[:2]
+        index = slots[:, None, :, None].to(self.store_keys.device)
+        self.keys, self.values = (t.gather(2, index.expand(b, h, -1, t.shape[-1])).to(self.device)
+                                  for t in (self.store_keys, self.store_values))  # (values may be wider)
+        self.positions = self.store_positions.gather(1, slots)[:, None, :].expand(b, h, -1).clone()
+        self.valid = valid
+        self.all_valid = bool(valid.all()) if all_valid is None else all_valid
+        self.compressed = True
+
+    def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
+             rows: tuple[torch.Tensor, torch.Tensor] | None = None, owed=None) -> None:
+        """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
+        from the store and one write per tensor, every head at once). `rows`: those slots' keys and values
+        `(n, d)` on this layer's device, when the caller gathered them (several layers' from an offloaded store,
+        in one copy to the device). `owed`: the slots' positions are left to be written when read (`owed` above).
+
+        The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
+        tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""
+        if rows is None and not offloaded(self.store_keys, row.device):
+            rows = self.store_keys[row, head, slot], self.store_values[row, head, slot]
+        elif rows is None:  # an offloaded store: one index to its device, not three, and rows into pinned memory
+            index = [flat_index(self.store_keys, row, head, slot)]
+            rows = [gather_rows([t], index).to(self.device, non_blocking=True)
+                    for t in (self.store_keys, self.store_values)]
+        self.keys[row, head, target], self.values[row, head, target] = rows
+        if owed is not None:
+            self.owed = owed
+            return
+        positions = self.positions if self.pending is not None else self.__dict__["_positions"]
+        positions[row, head, target] = self.store_positions[row, slot]
+
+    def crop_to(self, length: int) -> None:
+        if self.is_initialized and length < self.logical_len and self.records_tokens and not self.compressed:
+            self.logical_len = length  # attention reads the store: its slots past `length` are simply not read
+            self.keys, self.values = self.store_keys[:, :, :length], self.store_values[:, :, :length]
+            self.positions, self.valid = self.positions[..., :length], self.valid[:, :length]
+            return
+        super().crop_to(length)  # the working set; store slots past `length` are overwritten by the next tokens
+
+    def attended_tensors(self) -> list[torch.Tensor]:
+        if self.records_tokens and not self.compressed:
+            return []  # attention reads the store itself
+        return super().attended_tensors()
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.store_keys, self.store_values) if t is not None]
+
+    def offloaded_tensors(self) -> list[torch.Tensor]:
+        return self.stored_tensors() if self.store_device is not None else []
+
+    def resident_slots(self) -> int:
+        if self.records_tokens:
+            return self.logical_len  # the store holds every token
+        return self.slots
+
+
+def _joined_store(stores: list[torch.Tensor], slots: int) -> torch.Tensor:
+    """Stores `(rows, kv_heads, R_i, d)` one after the other along the batch, each padded at its end to `slots`
+    with zeros (empty slots, never loaded), written once into one tensor, pinned when they are: a store that
+    loads asynchronously stays so."""
+    first = stores[0]
+    out = torch.empty((sum(t.shape[0] for t in stores), first.shape[1], slots, first.shape[3]), dtype=first.dtype,
+                      device=first.device, pin_memory=first.is_pinned())
+    row = 0
+    for t in stores:
+        out[row:row + t.shape[0], :, :t.shape[2]] = t
+        out[row:row + t.shape[0], :, t.shape[2]:] = 0
+        row += t.shape[0]
+    return out
+
+
+def flat_index(store: torch.Tensor, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The rows of `store` `(batch, heads, slots, d)` viewed as `(batch * heads * slots, d)` that `(row, head,
+    slot)` name, on the store's device: one copy there instead of three."""
+    _, h, r, _ = store.shape
+    return ((row * h + head) * r + slot).to(store.device)
+
+
+def offloaded(store: torch.Tensor, device: torch.device) -> bool:
+    """Whether `store` lives on another device than the working set's `device` (a CPU store of a CUDA model):
+    then loads gather its rows there and copy them over. (One function, so that a test can take that path on a
+    CPU, where CI runs.)"""
+    return store.device != device
+
+
+def gather_rows(stores: list[torch.Tensor], indexes: list[torch.Tensor]) -> torch.Tensor:
+    """The rows `indexes[i]` (`flat_index`) of `stores[i]`, one store's after the other, as one `(n, d)` tensor on
+    their device; from pinned stores into pinned memory (torch's cached blocks), so that the one copy to the GPU
+    that follows is asynchronous. Every store has the same width and dtype (a cache's layers' stores)."""
+    first = stores[0]
+    sizes = [index.numel() for index in indexes]
+    out = torch.empty(sum(sizes), first.shape[-1], dtype=first.dtype, device=first.device,
+                      pin_memory=first.is_pinned())
+    for store, index, part in zip(stores, indexes, out.split(sizes)):
+        if store.is_contiguous():  # sparsekv's stores are
+            torch.index_select(store.view(-1, store.shape[-1]), 0, index, out=part)
+        else:  # any other is indexed by the flat index's parts
+            _, h, r, _ = store.shape
+            part.copy_(store[index // (h * r), index // r % h, index % r])
+    return out
