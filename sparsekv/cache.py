@@ -108,7 +108,7 @@ class SparseCache(RowState, Cache):
         budgets: `(batch,)` tokens kept per row, set by the press at prefill (`Press.row_budgets`).
         state: the press's per-generation state (`Press.new_state`), a `RowState` or None.
         forward: the `Forward` under way, None between forwards.
-        seconds, counts: time spent in press work and press events, by kind (for `stats`).
+        seconds: time spent in press work, "compress" and "step" (for `stats`); counts: press events by kind.
     """
 
     shared_state = frozenset({"layers", "press", "config", "forward", "shared", "seconds", "counts"})

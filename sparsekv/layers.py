@@ -304,6 +304,13 @@ class KVLayer(RowState, CacheLayerMixin):
             self.write_tail()
         return self._valid
 
+    def held_positions(self) -> torch.Tensor:
+        """`positions` as held, to write slots in front of the decoding steps' tokens (a working set's loaded
+        region): those steps' positions stay unwritten (`write_tail`); a pending eviction is carried out first."""
+        if self.pending is not None:
+            self.settle()
+        return self._positions
+
     @property
     def slots(self) -> int:
         """Slots held, a pending eviction's victim not counted (read without settling it)."""

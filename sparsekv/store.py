@@ -7,23 +7,8 @@ import copy
 
 import torch
 
-from .layers import KVLayer, _Written
+from .layers import KVLayer
 from .state import padded
-
-
-class _Owed(_Written):
-    """`StoreLayer.positions`: also the loaded slots' positions that a load left to be written when read
-    (`StoreLayer.owed`), written before anyone reads or replaces the tensor."""
-
-    def __get__(self, layer, owner=None):
-        if layer is not None and layer.owed is not None:
-            layer.owed.pay(layer)
-        return super().__get__(layer, owner)
-
-    def __set__(self, layer, value):
-        if layer.__dict__.get("owed") is not None:
-            layer.owed.pay(layer)
-        super().__set__(layer, value)
 
 
 class StoreLayer(KVLayer):
@@ -37,13 +22,7 @@ class StoreLayer(KVLayer):
         records_tokens: every token seen is written to the store at its position (slot = position, the store
             grows), and attention reads the store itself until a working set is selected (`gather`). False: the
             store is filled once (`fill_store`) and new tokens go to the working set only.
-        owed: None, or what a load left unwritten of `positions` (an object whose `pay(layer)` writes it, and sets
-            `owed` to None): a plan that loads every layer at once keeps the loaded slots' positions of all of
-            them and writes a layer's only when something reads them (attention never does). Not per-row state:
-            the plan's state holds the values and is reordered with the cache.
     """
-
-    positions = _Owed()
 
     @classmethod
     def joined(cls, layers: list[KVLayer]) -> KVLayer:
@@ -81,7 +60,6 @@ class StoreLayer(KVLayer):
         return getattr(self.state, "loaded", 0)
 
     def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False, state=None):
-        self.owed = None
         super().__init__(state)
         self.store_device = None if store_device is None else torch.device(store_device)
         self.records_tokens = records_tokens
@@ -154,11 +132,11 @@ class StoreLayer(KVLayer):
         self.compressed = True
 
     def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
-             rows: tuple[torch.Tensor, torch.Tensor] | None = None, owed=None) -> None:
+             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
         from the store and one write per tensor, every head at once). `rows`: those slots' keys and values
         `(n, d)` on this layer's device, when the caller gathered them (several layers' from an offloaded store,
-        in one copy to the device). `owed`: the slots' positions are left to be written when read (`owed` above).
+        in one copy to the device).
 
         The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
         tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""
@@ -169,11 +147,7 @@ class StoreLayer(KVLayer):
             rows = [gather_rows([t], index).to(self.device, non_blocking=True)
                     for t in (self.store_keys, self.store_values)]
         self.keys[row, head, target], self.values[row, head, target] = rows
-        if owed is not None:
-            self.owed = owed
-            return
-        positions = self.positions if self.pending is not None else self.__dict__["_positions"]
-        positions[row, head, target] = self.store_positions[row, slot]
+        self.held_positions()[row, head, target] = self.store_positions[row, slot]
 
     def crop_to(self, length: int) -> None:
         if self.is_initialized and length < self.logical_len and self.records_tokens and not self.compressed:

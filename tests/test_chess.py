@@ -261,7 +261,7 @@ def test_working_context_holds_the_stored_keys():
         assert torch.equal(layer.values, layer.store_values.gather(2, slots))
     stats = cache.stats()
     assert stats.logical_tokens == 102 and max(stats.attended_tokens) < 102
-    assert stats.counts["selections"] == 13 and stats.seconds["select"] > 0
+    assert stats.counts["selections"] == 13 and stats.seconds["step"] > 0
     # Selection, not eviction: every token stays resident, and the KV bytes count the store.
     layers = chess_layers(cache)
     assert set(stats.resident_tokens[i] for i in cache.state.columns) == {102}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -210,7 +209,6 @@ class CHESSPress(Press):
         state = cache.state
         if state.page_sums is None:
             return
-        start = time.perf_counter()
         layer = cache.layers[next(iter(state.columns))]
         lengths = layer.logical_len - cache.on("prompt_start", layer.device)  # real tokens per row
         # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
@@ -232,7 +230,6 @@ class CHESSPress(Press):
             state.plan = self.working_context(state.selected, lengths, cache.on("prompt_start", lengths.device))
             state.built_at = complete
             cache.counts["rebuilds"] += 1
-        cache.seconds["select"] += time.perf_counter() - start
 
     def triggers(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         """`(batch,)` which rows re-select after decoding step `step`, from their next-token `logits`."""
@@ -339,9 +336,7 @@ class CHESSPress(Press):
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if cache.forward.plan is not None:
-            start = time.perf_counter()
             layer.gather(*cache.forward.plan)
-            cache.seconds["gather"] += time.perf_counter() - start
 
     @torch.no_grad()
     def calibrate(self, model: torch.nn.Module, tokenizer: Any, texts: list[str], percentile: float = 99.0,

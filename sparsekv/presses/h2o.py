@@ -117,22 +117,22 @@ class H2OPress(Press):
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         plan = cache.forward.plan
         if self.ratio != 1.0:  # (ratio=1.0 keeps everything)
-            if call.q_len == 1 and layer.slots == plan.budget + 1:
+            if cache.forward.q_len == 1 and layer.slots == plan.budget + 1:
                 plan.waiting.append(layer)  # one victim to find: with the other layers', at the last layer
-                if not self._defer(plan, layer, call):
-                    self.add_received(layer, call)
+                if not self._defer(plan, layer, call, cache.forward):
+                    self.add_received(cache, layer, call)
             else:
-                self.add_received(layer, call)
+                self.add_received(cache, layer, call)
                 self.hold_budget(cache, layer, self.layer_scores(cache, layer))
         if layer is plan.last and plan.waiting:
             self.add_deferred(plan)
             self.evict_together(plan)
 
     @staticmethod
-    def _defer(plan: _Step, layer: KVLayer, call: AttentionCall) -> bool:
+    def _defer(plan: _Step, layer: KVLayer, call: AttentionCall, forward: Forward) -> bool:
         """Keep a one-token step's query projection for `add_deferred` (its attention row is needed only for the
         victim found after the last layer), when its row needs no mask and its RoPE is the step's shared matrix."""
-        if call.weights is not None or call.scaled_rope is None or call.input_valid is not None or \
+        if call.weights is not None or call.scaled_rope is None or forward.input_valid is not None or \
                 not layer.all_valid or query_norm(call.module) is not None or \
                 plan.deferred and plan.deferred[0][1].scaled_rope is not call.scaled_rope:
             return False
@@ -152,16 +152,16 @@ class H2OPress(Press):
             layer.extra["received"] += attention_probs(module, q, layer.keys, None).sum(dim=(2, 3))
         plan.deferred = []
 
-    def add_received(self, layer: KVLayer, call: AttentionCall) -> None:
+    def add_received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Add the attention the step's queries gave every slot (summed over each KV head's query heads)."""
         if call.weights is not None:  # eager: (b, heads, q, slots), already masked
             b, h_q, q, n = call.weights.shape
             h_kv = layer.keys.shape[1]
             received = call.weights.float().view(b, h_kv, h_q // h_kv, q, n).sum(dim=(2, 3))
-        elif call.q_len == 1 and layer.all_valid:  # one new token, every slot real: it sees them all, no mask
+        elif cache.forward.q_len == 1 and layer.all_valid:  # one new token, every slot real: no mask
             received = call.probs(layer.keys, None).sum(dim=(2, 3))
         else:
-            new = torch.arange(layer.slots - call.q_len, layer.slots, device=layer.keys.device)
+            new = torch.arange(layer.slots - cache.forward.q_len, layer.slots, device=layer.keys.device)
             visible = layer.valid[:, None, :] & (torch.arange(layer.slots, device=new.device) <= new[:, None])
             received = call.probs(layer.keys, visible).sum(dim=(2, 3))
         layer.extra["received"] += received

@@ -18,6 +18,7 @@ class SentenceState(RowState):
 
     sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
     piece_ids: torch.Tensor | None = None  # (batch, read) a prompt read in pieces: its tokens until the last piece
+    piece_valid: torch.Tensor | None = None  # (batch, read) which of them are real
     step_ids: torch.Tensor | None = None  # (batch, q) the last forward's tokens, for `crop`
     stack: LayerStack | None = None  # `plan="step"`: every layer's ranking state, once the layers are compressed
     per_layer: bool = False  # `plan="step"` over layers on several devices: each layer ranks at its query
@@ -45,29 +46,12 @@ class LayerStack(RowState):
     # `(batch, kv_heads, q, d)`, or all layers' `(batch, layers, kv_heads, 1, d)` when they were added at once
     projected: list = field(default_factory=list)  # per layer, a one-token step's query projection, until `last`
     rope: torch.Tensor | None = None  # the RoPE matrix of those projections (the step's, shared by its layers)
-    store_positions: torch.Tensor | None = None  # (batch, layers, R) the layers' `store_positions`
-    loaded_positions: torch.Tensor | None = None  # (batch, layers, kv_heads, loaded) the loaded slots' positions,
-    # written for every layer at once; a layer's own are written when read (`OwedPositions`)
     heads: int = 0  # query heads per layer
     before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
 
     shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
                                           "slot_room", "resident", "device_slot")
-
-
-class OwedPositions:
-    """The loaded slots' positions a stacked load left unwritten in one layer (`StoreLayer.owed`): the stack
-    keeps every layer's (`LayerStack.loaded_positions`, one write for all layers a step, where each layer had an
-    index and a write of its own), and they are written into the layer only when something reads its positions
-    (`prompt_kept`, `crop`; attention does not)."""
-
-    def __init__(self, stack: LayerStack, rank: int):
-        self.stack, self.rank = stack, rank
-
-    def pay(self, layer) -> None:
-        layer.owed = None  # first, and the tensor itself below (not `positions`): reading that would pay again
-        layer.__dict__["_positions"][..., : layer.state.loaded] = self.stack.loaded_positions[:, self.rank]
 
 
 @dataclass

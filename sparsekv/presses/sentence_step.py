@@ -5,7 +5,6 @@ ranks and loads every layer's sentences at once when a step begins (`plan_step`)
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 from torch import nn
@@ -14,7 +13,7 @@ from ..attention import rotate_projections
 from ..cache import KVLayer, SparseCache
 from ..log import logger
 from ..store import flat_index, gather_rows, offloaded
-from .sentence_state import LayerStack, OwedPositions
+from .sentence_state import LayerStack
 
 
 def load(layer, chosen, one_read: bool | None = None) -> int:
@@ -57,15 +56,11 @@ def plan_step(press, cache: SparseCache) -> None:
         stack = cache.state.stack = stack_layers(cache)
     if stack is None:  # the prompt, no layer compressed (every prompt token attended), or layers apart
         return
-    start = time.perf_counter()
     chosen = press.chosen(stack)
     # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
     empty = (stack.query_sum == 0).flatten(1).all(1)
     chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
-    cache.seconds["select"] += time.perf_counter() - start
-    start = time.perf_counter()
     copied = load_all(cache, stack, chosen)
-    cache.seconds["load"] += time.perf_counter() - start
     cache.counts["loaded_tokens"] += copied
     cache.counts["loads"] += copied > 0
     cache.counts["selections"] += len(stack.ranks)
@@ -78,7 +73,6 @@ def add_queries(cache: SparseCache, stack: LayerStack) -> None:
     kept = [i for i, projected in enumerate(stack.projected) if projected is not None]
     if not kept:
         return
-    start = time.perf_counter()
     kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
     matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
     queries = rotate_projections([stack.projected[i] for i in kept], matrix, heads * d).float()
@@ -91,7 +85,6 @@ def add_queries(cache: SparseCache, stack: LayerStack) -> None:
             stack.step_queries[i] = queries[:, j]
     stack.before_reset = None
     stack.projected, stack.rope = [None] * len(stack.projected), None
-    cache.seconds["select"] += time.perf_counter() - start
 
 def stack_layers(cache: SparseCache) -> LayerStack | None:
     """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
@@ -108,8 +101,7 @@ def stack_layers(cache: SparseCache) -> LayerStack | None:
         cache.state.per_layer = True
         return None
     width = max(layer.state.sentence_keys.shape[2] for layer in layers)
-    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1],
-                       heads=cache.config.get_text_config(decoder=True).num_attention_heads)
+    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1])
     for name in LayerStack.STACKED:
         parts = [getattr(layer.state, name) for layer in layers]
         if name == "sentence_keys":
@@ -119,9 +111,6 @@ def stack_layers(cache: SparseCache) -> LayerStack | None:
         setattr(stack, name, torch.stack(parts, dim=1))
         for layer in layers:
             setattr(layer.state, name, None)
-    stack.store_positions = torch.stack([layer.store_positions for layer in layers], dim=1)
-    loaded = layers[0].state.loaded  # every layer's: the budget sets it
-    stack.loaded_positions = torch.stack([layer.positions[..., :loaded] for layer in layers], dim=1)
     stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
     return stack
 
@@ -138,7 +127,6 @@ def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int
     _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
     target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
     stack.device_slot[row, lay, head, slot] = target
-    stack.loaded_positions[row, lay, head, target] = stack.store_positions[row, lay, slot]  # every layer's
     layers = cache.compressed_layers()
     store = layers[0].store_keys  # every layer's has the same shape (the stack's)
     elsewhere = offloaded(store, row.device)
@@ -154,9 +142,8 @@ def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int
         keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
                         .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
         rows = list(zip(keys, values))
-    for rank, layer, *part in zip(ranks, loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
-        # each layer's part of the indices (one `split` each, not a slice per layer); positions: the stack's
-        layer.load(*part, owed=OwedPositions(stack, rank))
+    for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
+        layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
     return n
 
 

@@ -7,7 +7,6 @@ The algorithm, as the paper lays it out: prefill (sec. 4.1) in `compress`, decod
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -134,14 +133,15 @@ class SentencePress(SnapKVPress):
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
         state = cache.state
-        if state.sentences is None and cache.pieces is not None:  # a prompt read in pieces: sentences at its last
-            ids = forward.input_ids if state.piece_ids is None else torch.cat([state.piece_ids, forward.input_ids], 1)
-            state.piece_ids = ids if forward.pieces_left else None
+        if state.sentences is None:  # the prompt; read in pieces (`prefill_chunk_size`): its sentences at the last
+            ids, valid = forward.input_ids, forward.input_valid
+            if forward.pieces_left or state.piece_ids is not None:
+                valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid.cpu()
+                if state.piece_ids is not None:
+                    ids, valid = torch.cat([state.piece_ids, ids], 1), torch.cat([state.piece_valid, valid], 1)
+                state.piece_ids, state.piece_valid = (ids, valid) if forward.pieces_left else (None, None)
             if not forward.pieces_left:
-                state.sentences = sentence_ids(self.tokenizer, ids, cache.pieces.valid, self.max_sentence_tokens)
-        elif state.sentences is None:  # the prompt
-            state.sentences = sentence_ids(self.tokenizer, forward.input_ids, forward.input_valid,
-                                           self.max_sentence_tokens)
+                state.sentences = sentence_ids(self.tokenizer, ids, valid, self.max_sentence_tokens)
         # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
         cache.state.step_ids = forward.input_ids
         closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])  # on the host
@@ -265,31 +265,27 @@ class SentencePress(SnapKVPress):
     def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if layer.store_keys is None:
             return
-        start = time.perf_counter()
         stack = cache.state.stack
-        if stack is not None and call.rope is not None and call.input_valid is None \
+        if stack is not None and call.rope is not None and cache.forward.input_valid is None \
                 and not query_norm(call.module) is not None and (stack.rope is None or stack.rope is call.rope):
             # `plan="step"`, one token: its projection is kept as it is, and every layer's is grouped and rotated
             # at once after the last layer (`add_queries`): no op here.
             stack.projected[stack.ranks[call.module.layer_idx]], stack.rope = call.projected, call.rope
+            stack.heads = stack.heads or call.module.config.num_attention_heads  # (a config read: once)
             return
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
-        if call.input_valid is not None:  # padding tokens add nothing
+        if cache.forward.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
         added = queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
         if stack is not None:  # `plan="step"`: selected and loaded when the step began; the query joins the sum
             i = stack.ranks[call.module.layer_idx]
             stack.query_sum.select(1, i).add_(added)  # (two ops; `[:, i] +=` takes four)
             stack.step_queries[i], stack.before_reset = queries, None  # kept for `crop`
-            cache.seconds["select"] += time.perf_counter() - start
             return
         layer.state.query_sum += added
         layer.state.step_queries, layer.state.before_reset = queries, None  # kept for `crop`, no copy
         chosen = self.chosen(layer.state)
-        cache.seconds["select"] += time.perf_counter() - start
-        start = time.perf_counter()
         copied = load(layer, chosen)
-        cache.seconds["load"] += time.perf_counter() - start
         cache.counts["loaded_tokens"] += copied
         cache.counts["loads"] += copied > 0
         cache.counts["selections"] += 1

@@ -57,7 +57,7 @@ class StreamingLLMPress(Press):
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         if self.ratio == 1.0:  # everything kept, decoding included
             return
-        if call.q_len == 1 and layer.slots == cache.largest_budget + 1:
+        if cache.forward.q_len == 1 and layer.slots == cache.largest_budget + 1:
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
             # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
             if cache.forward.plan is None:

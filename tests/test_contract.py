@@ -1,0 +1,87 @@
+"""The press contract: the names a press reads of the core are the ones docs/writing-a-press.md lists."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+from sparsekv.press import Press, ScorerPress
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PRESSES = ROOT / "sparsekv" / "presses"
+NAMED = {"cache", "layer", "call", "forward"}  # what the phases' arguments are called in every press file
+# The helpers a press inherits (not the phases and factories it overrides).
+PHASES = {"new_layer", "new_state", "begin_forward", "before_attention", "on_queries", "compress", "after_step",
+          "end_forward", "crop", "read_piece", "prompt_tail", "min_kept", "score", "label", "make_cache"}
+HELPERS = {name for cls in (Press, ScorerPress) for name, value in vars(cls).items()
+           if not name.startswith("_") and name not in PHASES
+           and (callable(value) or isinstance(value, (staticmethod, classmethod)))}
+
+
+def kind(node: ast.AST) -> str | None:
+    """Which core object an expression of a press file stands for: a phase argument by its name, the forward
+    reached through the cache, a layer taken from the cache's (or a local `layers`) list."""
+    if isinstance(node, ast.Name):
+        return node.id if node.id in NAMED else None
+    if isinstance(node, ast.Attribute) and node.attr == "forward" and kind(node.value) == "cache":
+        return "forward"
+    if isinstance(node, ast.Subscript):
+        listed = node.value
+        if isinstance(listed, ast.Name) and listed.id == "layers" or \
+                isinstance(listed, ast.Attribute) and listed.attr == "layers" and kind(listed.value) == "cache" or \
+                isinstance(listed, ast.Call) and isinstance(listed.func, ast.Attribute) and \
+                listed.func.attr == "compressed_layers":
+            return "layer"
+    return None
+
+
+def names_read(source: str) -> set[str]:
+    """`object.name` for every core name `source` reads, and `Press.name` for every inherited helper it calls."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if kind(node.value):
+            found.add(f"{kind(node.value)}.{node.attr}")
+        elif isinstance(node.value, ast.Name) and node.value.id in ("self", "press", "Press") and node.attr in HELPERS:
+            found.add(f"Press.{node.attr}")
+    return found
+
+
+def press_files() -> list[pathlib.Path]:
+    return [f for f in sorted(PRESSES.glob("*.py")) if f.name not in ("__init__.py", "registry.py")]
+
+
+def documented() -> set[str]:
+    """The names listed under "What a press reads of the core"."""
+    page = (ROOT / "docs" / "writing-a-press.md").read_text()
+    section = page.split("## What a press reads of the core", 1)[1].split("\n## ", 1)[0]
+    names = {f"{obj}.{name}" for obj, name in re.findall(r"`(cache|layer|call|forward)\.(\w+)", section)}
+    return names | {f"Press.{name}" for name in re.findall(r"`(?:self|Press)\.(\w+)", section)}
+
+
+def test_every_name_a_press_reads_is_documented_and_every_documented_name_is_read():
+    read = {}
+    for path in press_files():
+        for name in names_read(path.read_text()):
+            read.setdefault(name, []).append(path.name)
+    listed = documented()
+    unlisted = {name: files for name, files in read.items() if name not in listed}
+    assert not unlisted, f"press files read core names that docs/writing-a-press.md does not list: {unlisted}"
+    assert not listed - set(read), f"docs/writing-a-press.md lists names no press reads: {listed - set(read)}"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("def f(cache, layer):\n    cache.forward.plan = layer.keys\n", {"cache.forward", "forward.plan", "layer.keys"}),
+    ("def f(cache):\n    cache.layers[0].store_keys\n    cache.compressed_layers()[-1].slots\n",
+     {"cache.layers", "cache.compressed_layers", "layer.store_keys", "layer.slots"}),
+    ("def f(self, cache, layer, s):\n    self.hold_budget(cache, layer, s)\n    self.window_size\n",
+     {"Press.hold_budget"}),
+])
+def test_the_scan_sees_the_names_a_press_reads(source, expected):
+    """The scan that guards the list finds a name however a press reaches it (through the forward, a layer
+    taken from the cache, an inherited helper), and not a press's own option."""
+    assert names_read(source) == expected
