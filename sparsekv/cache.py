@@ -167,8 +167,7 @@ class SparseCache(RowState, Cache):
 
     @classmethod
     def join(cls, caches: list[SparseCache], consume: bool = False) -> SparseCache:
-        """One cache holding the rows of `caches`, in order, laid out as if their prompts had been prefilled
-        together (`sparsekv.join.join_caches`)."""
+        """The rows of `caches` in one cache, in order, as if prefilled together (`sparsekv.join.join_caches`)."""
         return join_caches(caches, consume)
 
     def compressed_layers(self) -> list[KVLayer]:
@@ -225,7 +224,7 @@ class SparseCache(RowState, Cache):
             position_embeddings = None
         call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings, None,
                                                                forward.input_valid)
-        call.capture = self.press.reads_step_queries and layer.logical_len > 0  # after the prompt
+        call.capture = self.press.captures_step_queries and layer.logical_len > 0  # after the prompt
         if call.capture and forward.q_len == 1:
             call.rope, call.scaled_rope = forward.rope_matrices(position_embeddings, module.head_dim, module.scaling)
             call.tile = forward.tiled
@@ -233,8 +232,7 @@ class SparseCache(RowState, Cache):
             self.press.before_attention(self, layer, call)
         if not layer.compressed:
             return KEEP_MASK
-        # (the config is read only when needed: transformers' config attribute reads are slow, and this runs at
-        # every layer of every step)
+        # (the config is read only when needed: its attribute reads are slow, and this runs at every layer and step)
         if forward.input_valid is None and layer.all_valid and (
                 forward.q_len == 1 or module.config._attn_implementation.startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
@@ -255,6 +253,8 @@ class SparseCache(RowState, Cache):
         if call is None or not call.capture or call.projected is not None:  # not captured, or a press's own
             return  # projection (run from `on_queries` itself)
         call.projected = projected
+        if not self.press.reads_step_queries:  # kept for `call.queries()` only
+            return
         layer = self.layers[layer_idx]
         slots, layouts = layer.slots, layer.layouts  # (reading `valid` would settle an eviction, write the tail)
         self.press.on_queries(self, layer, call)

@@ -71,7 +71,7 @@ def install(press, model: torch.nn.Module):
         for module in targets:
             handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
-            projection = query_projection(module) if press.reads_step_queries else None
+            projection = query_projection(module) if press.captures_step_queries else None
             if projection is not None:  # a hook makes every call of the projection slower: only where it is read
                 handles.append(projection.register_forward_hook(partial(_after_queries, inst, module.layer_idx)))
         yield model

@@ -9,10 +9,10 @@ the method needs, every default does nothing:
 1. `begin_forward(cache, forward)`: before each model forward (token ids in `forward.input_ids`); a plan every
    layer of the forward shares goes to `forward.plan`.
 2. `before_attention(cache, layer, call)`: before a layer's attention, before its mask is built: change what
-   the layer holds (a working set). Needs `selects_before_attention = True`.
+   the layer holds (a working set).
 3. `on_queries(cache, layer, call)`: forwards after the prompt, once the layer projected its queries
    (`call.queries()` shapes them, no second projection): rewrite what slots hold, never how many there are or
-   their validity (asserted). Needs `reads_step_queries = True`.
+   their validity (asserted).
 4. `compress(cache, layer, call)`: after a layer's attention over the prompt: choose what it keeps.
 5. `after_step(cache, layer, call)`: after a layer's attention on every later forward: evict, rescore.
    (A prompt read in pieces, generate's `prefill_chunk_size`: `read_piece` after each piece but the last,
@@ -107,9 +107,8 @@ class Press:
 
     Capabilities (class attributes; what the driver does for the press):
         reads_input_ids: `begin_forward` reads token ids (a forward given embeddings is refused).
-        selects_before_attention: `before_attention` is called.
-        reads_step_queries: decoding steps capture each layer's query projection for `call.queries()`, and
-            `on_queries` is called.
+        captures_step_queries: decoding steps keep each layer's query projection (`call.projected`), so that
+            `call.queries()` shapes it instead of projecting again. Implied by an `on_queries` override.
         reads_prompt_in_pieces: a prompt given in several forwards (generate's `prefill_chunk_size`) is read
             as a prompt and continued prompts, with no help from the driver (CHESS, which keeps every token).
             Otherwise `prompt_tail()` says whether the driver can compress such a prompt at its last piece; when
@@ -125,6 +124,8 @@ class Press:
     # Options of a press that set its budget instead of ratio / budget (e.g. CHESS's preset).
     budget_options: ClassVar[tuple[str, ...]] = ()
     reads_input_ids: ClassVar[bool] = False
+    captures_step_queries: ClassVar[bool] = False
+    # Derived from the overrides (`__init_subclass__`), for the driver: whether it calls these two phases.
     selects_before_attention: ClassVar[bool] = False
     reads_step_queries: ClassVar[bool] = False
     reads_prompt_in_pieces: ClassVar[bool] = False
@@ -145,8 +146,14 @@ class Press:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for method, flag in (("before_attention", "selects_before_attention"), ("on_queries", "reads_step_queries")):
-            if getattr(cls, method) is not getattr(Press, method) and not getattr(cls, flag):
-                raise TypeError(f"{cls.__name__} overrides {method} but does not declare {flag} = True.")
+            derived = getattr(cls, method) is not getattr(Press, method)
+            if flag in cls.__dict__ and cls.__dict__[flag] != derived:  # (declared by hand, as before they were derived)
+                raise TypeError(f"{cls.__name__}: {flag} follows from overriding {method}; remove {flag} = "
+                                f"{cls.__dict__[flag]}" + (" (to keep the decoding steps' query projections without "
+                                "on_queries, declare captures_step_queries = True)." if flag == "reads_step_queries"
+                                else ")."))
+            setattr(cls, flag, derived)
+        cls.captures_step_queries = cls.captures_step_queries or cls.reads_step_queries
 
     def __post_init__(self):
         name = type(self).__name__

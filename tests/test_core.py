@@ -532,8 +532,6 @@ def test_decoding_queries_are_the_layers_own_projection_not_a_second_one(arch):
 
     @dataclass
     class QueryReader(SnapKVPress):
-        reads_step_queries: ClassVar[bool] = True
-
         def on_queries(self, cache, layer, call):
             seen.append((call.projected is not None, call.queries(), call, layer.logical_len))
 

@@ -389,26 +389,38 @@ def test_caches_a_press_cannot_compress_are_refused(implementation):
 
 
 # --- the core's invariants -------------------------------------------------------------------------------------------
-def test_capabilities_are_declared():
-    with pytest.raises(TypeError, match="overrides on_queries but does not declare reads_step_queries"):
-        class Undeclared(Press):
-            def on_queries(self, cache, layer, call):
-                pass
+def test_capabilities_follow_the_overrides():
+    """The phases a press overrides are the ones the driver calls; a hand-made flag that disagrees is refused,
+    naming the one to use."""
+    class Selects(Press):
+        def before_attention(self, cache, layer, call):
+            pass
+
+    class Reads(Press):
+        def on_queries(self, cache, layer, call):
+            pass
+
+    class Captures(Press):
+        captures_step_queries: ClassVar[bool] = True
+
+    assert Selects.selects_before_attention and not Selects.reads_step_queries and not Selects.captures_step_queries
+    assert Reads.reads_step_queries and Reads.captures_step_queries and not Reads.selects_before_attention
+    assert Captures.captures_step_queries and not Captures.reads_step_queries
+    assert not Press.selects_before_attention and not Press.reads_step_queries
+    with pytest.raises(TypeError, match="declare captures_step_queries = True"):
+        class Old(Press):
+            reads_step_queries: ClassVar[bool] = True
 
 
 def test_query_time_selection_may_not_change_the_layout():
     @dataclasses.dataclass(kw_only=True)
     class Shrinks(SnapKVPress):
-        reads_step_queries: ClassVar[bool] = True
-
         def on_queries(self, cache, layer, call):
             layer.select(torch.zeros(*layer.positions.shape[:2], 3, dtype=torch.long, device=layer.positions.device),
                          torch.ones(layer.valid.shape[0], 3, dtype=torch.bool, device=layer.valid.device))
 
     @dataclasses.dataclass(kw_only=True)
     class Revalidates(SnapKVPress):  # as many slots, a new validity
-        reads_step_queries: ClassVar[bool] = True
-
         def on_queries(self, cache, layer, call):
             idx = torch.arange(layer.slots, device=layer.positions.device).expand(*layer.positions.shape[:2], -1)
             layer.select(idx, layer.valid.clone())

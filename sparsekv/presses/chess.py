@@ -107,7 +107,6 @@ class CHESSPress(Press):
     centre: bool | None = None  # True, or False with `paper`
     pooling: str | None = None  # "max", or "mean" with `paper`
     paper: bool = False
-    selects_before_attention: ClassVar[bool] = True
     reads_prompt_in_pieces: ClassVar[bool] = True  # it keeps every token and selects again after a continued prompt
 
     def __post_init__(self):

@@ -39,7 +39,7 @@ class H2OPress(Press):
 
     recent_ratio: float = 0.5
     block_size: int = 256
-    reads_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row (sdpa, flash)
+    captures_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row (sdpa, flash)
     joins_rows: ClassVar[bool] = True  # its scores follow their slots (`extra`)
 
     def __post_init__(self):

@@ -85,7 +85,6 @@ class SentencePress(SnapKVPress):
     reads_input_ids: ClassVar[bool] = True
     joins_rows: ClassVar[bool] = True  # stores and sentences padded per row (`StoreLayer.joined`, the state's)
     paper_name: ClassVar[str] = "SentenceKV"
-    reads_step_queries: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.tokenizer is None:
