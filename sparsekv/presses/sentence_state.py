@@ -18,7 +18,6 @@ class SentenceState(RowState):
 
     sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
     piece_ids: torch.Tensor | None = None  # (batch, read) a prompt read in pieces: its tokens until the last piece
-    piece_valid: torch.Tensor | None = None  # (batch, read) which of them are real
     step_ids: torch.Tensor | None = None  # (batch, q) the last forward's tokens, for `crop`
     stack: LayerStack | None = None  # `plan="step"`: every layer's ranking state, once the layers are compressed
     per_layer: bool = False  # `plan="step"` over layers on several devices: each layer ranks at its query

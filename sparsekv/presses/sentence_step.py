@@ -66,6 +66,7 @@ def plan_step(press, cache: SparseCache) -> None:
     cache.counts["selections"] += len(stack.ranks)
     stack.step_queries = [None] * len(stack.ranks)
 
+
 def add_queries(cache: SparseCache, stack: LayerStack) -> None:
     """Add the one-token step's queries that `on_queries` kept as projections to every layer's sum: grouped by
     KV head and rotated in one product for all layers (the step's RoPE matrix, tiled over a group), where each
@@ -86,6 +87,7 @@ def add_queries(cache: SparseCache, stack: LayerStack) -> None:
     stack.before_reset = None
     stack.projected, stack.rope = [None] * len(stack.projected), None
 
+
 def stack_layers(cache: SparseCache) -> LayerStack | None:
     """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
     their ranking state to it. All have the same store width (the budget sets it). Layers on several devices
@@ -101,7 +103,8 @@ def stack_layers(cache: SparseCache) -> LayerStack | None:
         cache.state.per_layer = True
         return None
     width = max(layer.state.sentence_keys.shape[2] for layer in layers)
-    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1])
+    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1],
+                       heads=cache.config.get_text_config(decoder=True).num_attention_heads)
     for name in LayerStack.STACKED:
         parts = [getattr(layer.state, name) for layer in layers]
         if name == "sentence_keys":
@@ -114,8 +117,9 @@ def stack_layers(cache: SparseCache) -> LayerStack | None:
     stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
     return stack
 
+
 def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:
-    """`_load` for every layer at once: the slots entering and leaving each layer's selection found by one
+    """`load` for every layer at once: the slots entering and leaving each layer's selection found by one
     `nonzero` over the stack (one read on the host; layers first, so each layer's are consecutive), then each
     layer whose selection changed loads its own. Returns the tokens copied."""
     resident, stack.resident = stack.resident, chosen

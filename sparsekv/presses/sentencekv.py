@@ -132,15 +132,14 @@ class SentencePress(SnapKVPress):
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
         state = cache.state
-        if state.sentences is None:  # the prompt; read in pieces (`prefill_chunk_size`): its sentences at the last
-            ids, valid = forward.input_ids, forward.input_valid
-            if forward.pieces_left or state.piece_ids is not None:
-                valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid.cpu()
-                if state.piece_ids is not None:
-                    ids, valid = torch.cat([state.piece_ids, ids], 1), torch.cat([state.piece_valid, valid], 1)
-                state.piece_ids, state.piece_valid = (ids, valid) if forward.pieces_left else (None, None)
-            if not forward.pieces_left:
-                state.sentences = sentence_ids(self.tokenizer, ids, valid, self.max_sentence_tokens)
+        if state.sentences is None and cache.pieces is not None:  # a prompt read in pieces: sentences at its last
+            ids = forward.input_ids if state.piece_ids is None else torch.cat([state.piece_ids, forward.input_ids], 1)
+            state.piece_ids = ids if forward.pieces_left else None
+            if not forward.pieces_left:  # the core has read every piece's validity (`PromptPieces`)
+                state.sentences = sentence_ids(self.tokenizer, ids, cache.pieces.valid, self.max_sentence_tokens)
+        elif state.sentences is None:  # the prompt
+            state.sentences = sentence_ids(self.tokenizer, forward.input_ids, forward.input_valid,
+                                           self.max_sentence_tokens)
         # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
         cache.state.step_ids = forward.input_ids
         closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])  # on the host
@@ -266,11 +265,10 @@ class SentencePress(SnapKVPress):
             return
         stack = cache.state.stack
         if stack is not None and call.rope is not None and cache.forward.input_valid is None \
-                and not query_norm(call.module) is not None and (stack.rope is None or stack.rope is call.rope):
+                and query_norm(call.module) is None and (stack.rope is None or stack.rope is call.rope):
             # `plan="step"`, one token: its projection is kept as it is, and every layer's is grouped and rotated
             # at once after the last layer (`add_queries`): no op here.
             stack.projected[stack.ranks[call.module.layer_idx]], stack.rope = call.projected, call.rope
-            stack.heads = stack.heads or call.module.config.num_attention_heads  # (a config read: once)
             return
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if cache.forward.input_valid is not None:  # padding tokens add nothing
