@@ -14,8 +14,7 @@ The order of events of one model forward, in one place (the hooks call these met
    gathers the planned working set), then the mask for the layer's physical layout.
 3. `after_queries`, once the layer projected its queries (forwards after the prompt, presses that read them):
    the press's `on_queries` (SentenceKV loads sentences); the layout the mask was built for may not change.
-4. transformers calls `update` (new tokens appended; the one token of a step after an eviction takes the
-   victim's slot), and attention runs.
+4. transformers calls `update` (new tokens appended), and attention runs.
 5. `after_layer`, after its attention: the press's `compress` (the prompt) or `after_step` (later forwards).
 6. `end_forward`, after the model, with its logits: the press's `end_forward` (CHESS's uncertainty trigger);
    the `Forward` is closed.
@@ -36,7 +35,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
-from .attention import AttentionCall, rope_matrix, tile_rope
+from .attention import AttentionCall
 from .join import join_caches
 from .layers import KVLayer
 from .pieces import PromptPieces
@@ -70,32 +69,7 @@ class Forward:
     continues_prompt: bool = False
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
-    rope: tuple | None = None  # `(cos, head_dim, scaling, matrices)`: the step's RoPE, made once for its layers
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
-    tiles: dict = field(default_factory=dict)  # `tiled`'s, for the matrices of `rope`
-
-    def rope_matrices(self, position_embeddings, head_dim: int, scaling: float) -> tuple:
-        """`attention.rope_matrix` of this forward's one token, plain and times `scaling`, made by its first
-        layer and shared by the others (they get the same `(cos, sin)`; a layer given other ones, or another
-        head size or scaling, gets its own)."""
-        if position_embeddings is None:  # a layer without position embeddings: queries rotate as they are
-            return None, None
-        cos = position_embeddings[0]
-        if self.rope is None or self.rope[0] is not cos or self.rope[1:3] != (head_dim, scaling):
-            plain = rope_matrix(position_embeddings, head_dim)
-            if plain is not None and plain.shape[0] == 1:  # one position for every row: viewed once, not per layer
-                plain = plain.view(head_dim, head_dim)
-            scaled = None if plain is None else plain * scaling
-            self.rope = (cos, head_dim, scaling, (plain, scaled))
-            self.tiles = {}
-        return self.rope[3]
-
-    def tiled(self, matrix: torch.Tensor, group: int) -> torch.Tensor:
-        """`tile_rope(matrix, group)` of one of this forward's matrices, made by its first layer that asks."""
-        key = (id(matrix), group)
-        if key not in self.tiles:  # the matrix is held by `rope` for as long as its tiles are
-            self.tiles[key] = tile_rope(matrix, group)
-        return self.tiles[key]
 
 
 class SparseCache(RowState, Cache):
@@ -225,9 +199,6 @@ class SparseCache(RowState, Cache):
         call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings, None,
                                                                forward.input_valid)
         call.capture = self.press.captures_step_queries and layer.logical_len > 0  # after the prompt
-        if call.capture and forward.q_len == 1:
-            call.rope, call.scaled_rope = forward.rope_matrices(position_embeddings, module.head_dim, module.scaling)
-            call.tile = forward.tiled
         if self.press.selects_before_attention:
             self.press.before_attention(self, layer, call)
         if not layer.compressed:
@@ -236,16 +207,10 @@ class SparseCache(RowState, Cache):
         if forward.input_valid is None and layer.all_valid and (
                 forward.q_len == 1 or module.config._attn_implementation.startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
-        impl = module.config._attn_implementation
-        if layer.fills_victim(forward.q_len, forward.input_valid, hidden.requires_grad):
-            held = layer.held_valid()  # the slots keep their validity: the last (real) one stands for the token
-            return physical_mask(held[:, :-1], held[:, -1:], impl, hidden.dtype)
-        if layer.pending is not None:
-            layer.settle()  # the tokens will be appended
         new_valid = forward.input_valid
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
-        return physical_mask(layer.valid, new_valid, impl, hidden.dtype)
+        return physical_mask(layer.valid, new_valid, module.config._attn_implementation, hidden.dtype)
 
     def after_queries(self, layer_idx: int, projected: torch.Tensor) -> None:
         """The layer's query projection ran: presses that read a step's queries get them (`on_queries`)."""
@@ -256,9 +221,9 @@ class SparseCache(RowState, Cache):
         if not self.press.reads_step_queries:  # kept for `call.queries()` only
             return
         layer = self.layers[layer_idx]
-        slots, layouts = layer.slots, layer.layouts  # (reading `valid` would settle an eviction, write the tail)
+        slots, valid = layer.slots, layer.valid
         self.press.on_queries(self, layer, call)
-        if layer.slots != slots or layer.layouts != layouts:  # the mask was built for this layout
+        if layer.slots != slots or layer.valid is not valid:  # the mask was built for this layout
             raise RuntimeError(f"{type(self.press).__name__}.on_queries changed layer {layer_idx}'s slots or their "
                                "validity after its mask was built; rewrite what slots hold, not how many there are.")
 

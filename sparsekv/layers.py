@@ -18,44 +18,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .buffers import allocated, append_in_place, slot_dim, victim_indices
+from .buffers import allocated, append_in_place, slot_dim
 from .state import RowState, padded
-
-
-
-class _Settled:
-    """A layer's per-slot tensor (or dict of them), read in its settled layout: an eviction still pending
-    (`KVLayer.evict`) is carried out before anyone sees the tensor."""
-
-    def __set_name__(self, owner, name):
-        self.private = "_" + name
-
-    def __get__(self, layer, owner=None):
-        if layer is None:
-            return self
-        if layer.pending is not None:
-            layer.settle()
-        return layer.__dict__[self.private]
-
-    def __set__(self, layer, value):
-        layer.__dict__[self.private] = value
-
-
-class _Written(_Settled):
-    """`positions` and `valid`: also written for the decoding steps' tokens that are not yet (`KVLayer.write_tail`)
-    before anyone reads or replaces them."""
-
-    def __get__(self, layer, owner=None):
-        if layer is not None and layer.unwritten:
-            layer.write_tail()
-        return super().__get__(layer, owner)
-
-    def __set__(self, layer, value):
-        if layer.__dict__.get("unwritten"):
-            layer.write_tail()
-        if self.private == "_valid":  # a new layout (appends write `_valid` itself, and do not count)
-            layer.__dict__["layouts"] = layer.__dict__.get("layouts", 0) + 1
-        super().__set__(layer, value)
 
 
 class KVLayer(RowState, CacheLayerMixin):
@@ -71,34 +35,27 @@ class KVLayer(RowState, CacheLayerMixin):
         state: the press's own state for this layer (`Press.layer_state`), a `RowState` or None.
         logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
         compressed: True once the physical layout differs from the logical one.
+        new_tokens: tokens the last forward appended (`hold_budget` never evicts them when they fit).
 
     The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
     them with new tensors (`select`) or write into them in place, never keep views of them across steps.
-
-    An eviction during decoding is left pending (`pending`, `(batch, heads)` victim slots) until the next token,
-    which is written straight into its victim's slot (`update`): one write per tensor instead of moving the last
-    slot into the victim's and appending. Reading any per-slot tensor settles a pending eviction first, so no
-    reader ever sees the victim.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True  # the tokens of the last forward can be removed (`crop`)
-    keys, values, extra = _Settled(), _Settled(), _Settled()
-    positions, valid = _Written(), _Written()
 
     def __init__(self, state: Any = None):
-        self.pending: torch.Tensor | None = None  # first: the tensors' reads check these two
-        self.pending_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # `victim_indices(pending)`, if given
-        self.unwritten = 0  # the last slots' positions and validity, not written yet (`write_tail`)
-        self.layouts = 0  # validity tensors set so far: a new one is a new layout, which a mask built may not fit
         super().__init__()
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
         self.state = state
         self.logical_len = 0
         self.compressed = False
+        self.new_tokens = 0  # tokens of the last forward (`update`)
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -117,69 +74,16 @@ class KVLayer(RowState, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
-        if self.pending is not None:
-            if self.fills_victim(q, valid, key_states.requires_grad):
-                return self._replace_victim(key_states, value_states)
-            self.settle()
-        if q == 1 and valid is None:  # a decoding step: its position and validity are known, written when read
-            if torch.is_grad_enabled() or key_states.requires_grad:
-                self._append("_keys", key_states)
-                self._append("_values", value_states)
-            else:  # generate's steps: straight into the buffers (`_append`'s checks are for the other cases)
-                self._keys = append_in_place(self._keys, key_states, 2)
-                self._values = append_in_place(self._values, value_states, 2)
-            self.unwritten += 1
-        else:
-            if self.unwritten:
-                self.write_tail()
-            self._append("_keys", key_states)
-            self._append("_values", value_states)
-            self._append("_positions", torch.arange(self.logical_len, self.logical_len + q,
-                                                    device=self.device).expand(b, h, q))
-            self._append("_valid", self._new_valid(valid, b, q))
-        extra = self._extra
-        for name in extra:
-            self._append(name, 0 if q == 1 else extra[name].new_zeros(b, h, q), extra)
+        self._append("keys", key_states)
+        self._append("values", value_states)
+        self._append("positions", self.logical_len if q == 1 else torch.arange(
+            self.logical_len, self.logical_len + q, device=self.device).expand(b, h, q))
+        self._append("valid", True if q == 1 and valid is None else self._new_valid(valid, b, q))
+        for name, t in self.extra.items():
+            self._append(name, 0 if q == 1 else t.new_zeros(b, h, q), self.extra)
         self.logical_len += q
-        return self._keys, self._values
-
-    def write_tail(self) -> None:
-        """Write the positions and validity of the decoding steps' tokens appended since the last read. A step
-        knows them (the next positions, real in every row and head), so it only counts them (`unwritten`): two
-        fewer writes per layer and step, each an op to dispatch, which is what a step costs where the host is
-        the bound (a GPU at batch 1). They are the same in every row, so reordering rows before they are
-        written changes nothing."""
-        n, self.unwritten = self.unwritten, 0
-        if n == 1:
-            self._append("_positions", self.logical_len - 1)
-            self._append("_valid", True)
-        elif n:
-            b, h = self._positions.shape[:2]
-            self._append("_positions", torch.arange(self.logical_len - n, self.logical_len,
-                                                    device=self.device).expand(b, h, n))
-            self._append("_valid", torch.ones(b, n, dtype=torch.bool, device=self.device))
-
-    def fills_victim(self, q: int, valid: torch.Tensor | None, differentiable: bool) -> bool:
-        """Whether a forward of `q` new tokens (`valid` as in `update`) writes its token into a pending victim's
-        slot: one token, real in every row, and no gradient to keep through an in-place write. The mask built
-        before `update` (`SparseCache.before_layer`) asks the same."""
-        return self.pending is not None and q == 1 and valid is None and not differentiable
-
-    def _replace_victim(self, key_states: torch.Tensor,
-                        value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoding step after an eviction: its token (real in every row) takes the victim's slot."""
-        if self.unwritten:
-            self.write_tail()
-        victim, index = self._victim_indices(key_states.shape[-1])
-        self._keys.scatter_(2, index, key_states)
-        if value_states.shape[-1] != key_states.shape[-1]:  # (models with other value widths)
-            index = victim[..., None].expand(*victim.shape, value_states.shape[-1])
-        self._values.scatter_(2, index, value_states)
-        self._positions.scatter_(-1, victim, self.logical_len)
-        for t in self._extra.values():
-            t.scatter_(-1, victim, 0)
-        self.logical_len += 1
-        return self._keys, self._values
+        self.new_tokens = q
+        return self.keys, self.values
 
     def _new_valid(self, valid: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
         if valid is None:
@@ -239,41 +143,50 @@ class KVLayer(RowState, CacheLayerMixin):
         self.all_valid = bool(valid.all())
         self.compressed = True
 
-    def evict(self, victim: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Drop one slot per row and head (`victim` `(batch, heads)`: real tokens, or a row's filler slot, the same
-        for each of its heads, where the row has room for one more token). The drop is pending: the next token
-        takes the victim's slot, or `settle` moves the last slot there when anything else comes first.
-        `indices`: `victim_indices(victim, head_dim)` when the caller made them (for many layers at once);
-        else they are made when the eviction is carried out."""
-        if self.pending is not None:
-            self.settle()
-        if not self.all_valid:  # a filler victim holds the next token from now on (a real one is real already)
-            self.held_valid().scatter_(1, victim[:, :1], True)
-        self.pending, self.pending_indices = victim, indices
+    def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int) -> None:
+        """Evict the lowest-`scores` `(batch, heads, slots)` real tokens until each row holds no more than its
+        budget (`budgets` `(batch,)`, `largest` their maximum).
+
+        One token over (a decoding step) is one eviction per row and head (`evict`); more (a continued prompt, a
+        draft of assisted decoding) a gather, which never evicts the last forward's own tokens when they fit the
+        budget, so that a rejected draft can be cropped from every head.
+        """
+        if self.slots <= largest:
+            return
+        budgets = budgets.to(self.device)
+        if self.slots == largest + 1:
+            self.evict(self.lowest_real(scores, budgets))
+            return
+        if self.new_tokens <= int(budgets.min()):
+            scores = scores.masked_fill(self.positions >= self.logical_len - self.new_tokens, float("inf"))
+        self.keep(scores.masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
+
+    def lowest_real(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """`(batch, heads)` the slot with the lowest `scores` `(batch, heads, slots)` of each row and head among its
+        real tokens; a row holding no more real tokens than its budget (`budgets` `(batch,)`: a prompt kept whole,
+        still growing) gives its first filler slot instead, the same for every head, which the newest token fills."""
+        if self.all_valid:
+            return scores.argmin(dim=-1)
+        victim = scores.masked_fill(~self.valid[:, None, :], float("inf")).argmin(dim=-1)
+        room = self.valid.sum(-1) <= budgets
+        filler = (~self.valid).to(torch.int8).argmax(dim=-1)
+        return torch.where(room[:, None], filler[:, None], victim)
+
+    def evict(self, victim: torch.Tensor) -> None:
+        """Drop one slot per row and head, `victim` `(batch, heads)`: a real token, or a row's filler slot (the
+        same for each of its heads, `lowest_real`). The newest slot (a real token) moves into the victim's, so
+        validity stays shared by the heads of a row, and the slots are one fewer."""
+        if not self.all_valid:  # a filler victim holds the newest token from now on (a real one is real already)
+            self.valid.scatter_(1, victim[:, :1], True)
+        last, slot = self.slots - 1, victim[..., None]
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            t.scatter_(2, slot[..., None].expand(*slot.shape, t.shape[-1]), t[:, :, last:])
+            setattr(self, name, t[:, :, :last])
+        self.positions = self.positions.scatter_(-1, slot, self.positions[..., last:])[..., :last]
+        self.extra = {n: t.scatter_(-1, slot, t[..., last:])[..., :last] for n, t in self.extra.items()}
+        self.valid = self.valid[:, :last]
         self.compressed = True
-
-    def _victim_indices(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pending victim's scatter indices (`victim_indices`), taken off the layer: the eviction is done."""
-        indices = self.pending_indices
-        if indices is None or indices[1].shape[-1] != width:
-            indices = victim_indices(self.pending, width)
-        self.pending = self.pending_indices = None
-        return indices
-
-    def settle(self) -> None:
-        """Carry out a pending eviction: the last slot (a real token: the newest) moves into the victim's slot,
-        so validity, shared by the heads of a row, is unchanged."""
-        if self.unwritten:
-            self.write_tail()
-        v, _ = self._victim_indices(self._keys.shape[-1])
-        last = self._keys.shape[-2] - 1
-        for name in ("_keys", "_values"):
-            t = self.__dict__[name]
-            t.scatter_(2, v[..., None].expand(*v.shape, t.shape[-1]), t[:, :, last:])
-            self.__dict__[name] = t[:, :, :last]
-        self._positions = self._positions.scatter_(-1, v, self._positions[..., last:])[..., :last]
-        self._extra = {n: t.scatter_(-1, v, t[..., last:])[..., :last] for n, t in self._extra.items()}
-        self._valid = self._valid[:, :last]
 
     @classmethod
     def joined(cls, layers: list[KVLayer]) -> KVLayer:
@@ -297,25 +210,10 @@ class KVLayer(RowState, CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def held_valid(self) -> torch.Tensor:
-        """`valid` as held, without settling a pending eviction: the victim's slot counts, as real (the next
-        token, real in every row, takes it)."""
-        if self.unwritten:
-            self.write_tail()
-        return self._valid
-
-    def held_positions(self) -> torch.Tensor:
-        """`positions` as held, to write slots in front of the decoding steps' tokens (a working set's loaded
-        region): those steps' positions stay unwritten (`write_tail`); a pending eviction is carried out first."""
-        if self.pending is not None:
-            self.settle()
-        return self._positions
-
     @property
     def slots(self) -> int:
-        """Slots held, a pending eviction's victim not counted (read without settling it)."""
-        keys = self.__dict__.get("_keys")
-        return 0 if keys is None else keys.shape[-2] - (self.pending is not None)
+        """Slots held per row and head."""
+        return 0 if self.keys is None else self.keys.shape[-2]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise RuntimeError("sparsekv: reorder a SparseCache as a whole (`cache.reorder_cache`), not layer by layer.")
@@ -371,8 +269,7 @@ class KVLayer(RowState, CacheLayerMixin):
 def padded_to_widest(layers: list) -> list:
     """Copies of `layers` (one type, as many tokens seen), each padded with invalid filler slots to the most slots
     any holds, where its layout puts them (`KVLayer.filler_slot`: first, as `keep` gives rows with smaller
-    budgets), so that validity stays shared by the heads of a row; pending evictions and unwritten positions are
-    carried out first. `RowState.joined` then concatenates them."""
+    budgets), so that validity stays shared by the heads of a row. `RowState.joined` then concatenates them."""
     first = layers[0]
     if any(type(layer) is not type(first) or layer.logical_len != first.logical_len or not layer.is_initialized
            for layer in layers):
@@ -392,8 +289,8 @@ def padded_to_widest(layers: list) -> list:
 
         twin = copy.copy(layer)
         vars(twin).update(
-            _keys=grown(layer.keys, 0), _values=grown(layer.values, 0), _positions=grown(layer.positions, 0),
-            _valid=grown(layer.valid, False), _extra={n: grown(t, 0) for n, t in layer.extra.items()},
-            pending=None, pending_indices=None, unwritten=0, layouts=0, compressed=compressed, all_valid=all_valid)
+            keys=grown(layer.keys, 0), values=grown(layer.values, 0), positions=grown(layer.positions, 0),
+            valid=grown(layer.valid, False), extra={n: grown(t, 0) for n, t in layer.extra.items()},
+            compressed=compressed, all_valid=all_valid)
         copies.append(twin)
     return copies

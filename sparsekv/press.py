@@ -260,52 +260,16 @@ class Press:
         return None
 
     @staticmethod
-    def keeps_everything(cache: SparseCache) -> bool:
-        return bool((cache.budgets >= cache.prompt_lengths).all())
-
-    @staticmethod
-    def victims(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
-        """`(batch, heads)` the slot of each row and head to evict (`lowest_real`): its lowest-`scores` real token,
-        or a filler slot where the row holds no more real tokens than its budget."""
-        if layer.all_valid:
-            return scores.argmin(dim=-1)
-        return Press.lowest_real(scores, layer.valid, cache.on("budgets", layer.device))
-
-    @staticmethod
-    def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None, budgets: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-        """The slot with the lowest `scores` `(..., batch, heads, slots)` per row and head, among the real ones
-        (`valid` `(..., batch, slots)`; None: all are): one layer's, or several layers' stacked. With `budgets`
-        `(batch,)`: a row holding no more real tokens than its budget (a prompt kept whole, still growing) gives
-        its first filler slot instead, the same for every head, which the next token fills."""
-        if valid is None:
-            return scores.argmin(dim=-1)
-        victim = scores.masked_fill(~valid[..., None, :], float("inf")).argmin(dim=-1)
-        if budgets is not None:
-            room = valid.sum(-1) <= budgets  # (..., batch)
-            filler = (~valid).to(torch.int8).argmax(dim=-1)
-            victim = torch.where(room[..., None], filler[..., None], victim)
-        return victim
+    def keeps_everything(cache: SparseCache, beside: int = 0) -> bool:
+        """Whether every row keeps its whole prompt: its budget, plus the `beside` tokens the press keeps besides
+        it, covers it (`row_budgets` set the budgets)."""
+        return bool((cache.budgets + beside >= cache.prompt_lengths).all())
 
     @staticmethod
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:
-        """Evict the lowest-`scores` real tokens until each row is back within its budget.
-
-        One new token (decoding) costs no move: the victim's slot is left for the next step's token
-        (`KVLayer.evict`); several (a continued prompt, a draft of assisted decoding) cost a gather, which never
-        evicts the forward's own tokens when they fit the budget, so that a rejected draft can be cropped from
-        every head.
-        """
-        budget = cache.largest_budget
-        if layer.slots <= budget:
-            return
-        if layer.slots == budget + 1:
-            layer.evict(Press.victims(cache, layer, scores))
-            return
-        q = cache.forward.q_len
-        if q <= int(cache.budgets.min()):
-            scores = scores.masked_fill(layer.positions >= layer.logical_len - q, float("inf"))
-        layer.keep(scores.masked_fill(~layer.valid[:, None, :], float("-inf")), cache.budgets)
+        """Evict the lowest-`scores` `(batch, heads, slots)` real tokens of `layer` until each row is back within
+        its budget (`KVLayer.hold_budget`): one per row and head after a decoding step's token."""
+        layer.hold_budget(scores, cache.on("budgets", layer.device), cache.largest_budget)
 
 
 @dataclass

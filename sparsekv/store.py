@@ -136,10 +136,7 @@ class StoreLayer(KVLayer):
         """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
         from the store and one write per tensor, every head at once). `rows`: those slots' keys and values
         `(n, d)` on this layer's device, when the caller gathered them (several layers' from an offloaded store,
-        in one copy to the device).
-
-        The targets are loaded slots, in front of the decoding steps' tokens: their positions are written into the
-        tensor as it is, without writing the steps' (`write_tail`) first, which would be six more ops a step."""
+        in one copy to the device)."""
         if rows is None and not offloaded(self.store_keys, row.device):
             rows = self.store_keys[row, head, slot], self.store_values[row, head, slot]
         elif rows is None:  # an offloaded store: one index to its device, not three, and rows into pinned memory
@@ -147,7 +144,7 @@ class StoreLayer(KVLayer):
             rows = [gather_rows([t], index).to(self.device, non_blocking=True)
                     for t in (self.store_keys, self.store_values)]
         self.keys[row, head, target], self.values[row, head, target] = rows
-        self.held_positions()[row, head, target] = self.store_positions[row, slot]
+        self.positions[row, head, target] = self.store_positions[row, slot]
 
     def crop_to(self, length: int) -> None:
         if self.is_initialized and length < self.logical_len and self.records_tokens and not self.compressed:

@@ -22,7 +22,6 @@ from sparsekv import (
     StreamingLLMPress,
 )
 from sparsekv.buffers import GROW, buffer_of, span
-from sparsekv.cache import Forward
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
@@ -316,87 +315,33 @@ def test_streaming_llm_rolls_every_row_of_a_padded_batch_past_a_full_turn():
             assert torch.equal(real.sort(-1).values, expected.expand(2, -1)), (i, real)
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("name", ["h2o", "streaming"])
-def test_a_pending_eviction_decodes_as_one_carried_out_at_once(name, padded, impl, monkeypatch):
-    """The token after an eviction takes its victim's slot (no move, no append): the same tokens and logits at
-    every step as moving the last slot into the victim's at once, on the fast path (no mask) and in a padded
-    batch (masked), and the layer then reads as settled."""
-    model = make_model("qwen2", impl)
-    ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
-
-    def run():
-        with PRESSES[name](ratio=0.3)(model):
-            return greedy(model, ids, mask, new=30, output_logits=True, return_dict_in_generate=True)
-
-    writes = []
-    replace_victim = KVLayer._replace_victim
-    monkeypatch.setattr(KVLayer, "_replace_victim", lambda self, *a: writes.append(1) or replace_victim(self, *a))
-    pending = run()
-    assert len(writes) >= 28 * 3  # every step after the first eviction, in every layer
-    evict = KVLayer.evict
-    monkeypatch.setattr(KVLayer, "evict", lambda self, *a: (evict(self, *a), self.settle()))
-    at_once = run()
-    assert torch.equal(pending.sequences, at_once.sequences)
-    torch.testing.assert_close(torch.stack(pending.logits), torch.stack(at_once.logits), rtol=1e-5, atol=1e-5)
-    for layer in compressed_layers(pending.cache):
-        assert layer.pending is not None  # the last step's eviction waits for a next token
-        assert layer.keys.shape[-2] == round(0.3 * 60) and layer.pending is None  # reading settled it
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
-    """A decoding step rotates its queries with one matrix per row, made once for every layer: the same queries
-    as the model's own rotation, rows at different positions included; partial rotary gets no matrix."""
-    from sparsekv.attention import rope_matrix, shape_queries
-
-    model = make_model(arch)
-    module = model.model.layers[0].self_attn
-    positions = torch.tensor([[5], [77]], device=DEVICE)
-    hidden = torch.randn(2, 1, model.config.hidden_size, device=DEVICE)
-    cos_sin = model.model.rotary_emb(hidden, positions)
-    projected = module.q_proj(hidden)
-    matrix = rope_matrix(cos_sin, module.head_dim)
-    assert matrix.shape == (2, 1, module.head_dim, module.head_dim)
-    for grouped in (False, True):
-        torch.testing.assert_close(shape_queries(module, projected, cos_sin, grouped, matrix),
-                                   shape_queries(module, projected, cos_sin, grouped), rtol=1e-5, atol=1e-5)
-    # The step's matrices, plain and times attention's scaling (as attention's logits use the queries).
-    plain, scaled = Forward(None, None, 1).rope_matrices(cos_sin, module.head_dim, module.scaling)
-    torch.testing.assert_close(plain, matrix)
-    torch.testing.assert_close(shape_queries(module, projected, cos_sin, False, scaled),
-                               shape_queries(module, projected, cos_sin) * module.scaling, rtol=1e-5, atol=1e-5)
-    # One position for every row (position ids of batch 1): one matrix serves the batch.
-    shared = model.model.rotary_emb(hidden, positions[:1])
-    torch.testing.assert_close(shape_queries(module, projected, shared, False, rope_matrix(shared, module.head_dim)),
-                               shape_queries(module, projected, shared), rtol=1e-5, atol=1e-5)
-    plain, _ = Forward(None, None, 1).rope_matrices(shared, module.head_dim, module.scaling)
-    assert plain.shape == (module.head_dim, module.head_dim)  # the step's layers share it as a plain (d, d)
-    for grouped in (False, True):
-        torch.testing.assert_close(shape_queries(module, projected, shared, grouped, plain),
-                                   shape_queries(module, projected, shared, grouped), rtol=1e-5, atol=1e-5)
-    # Grouped queries: a KV head's query heads side by side times the matrix tiled (made once per forward).
-    group = model.config.num_attention_heads // model.config.num_key_value_heads
-    assert group > 1
-    for pe in (shared, cos_sin):
-        forward = Forward(None, None, 1)
-        step, _ = forward.rope_matrices(pe, module.head_dim, module.scaling)
-        tiled = forward.tiled(step, group)
-        assert tiled is forward.tiled(step, group) and tiled.shape[-2:] == (group * module.head_dim, module.head_dim)
-        torch.testing.assert_close(shape_queries(module, projected, pe, True, tiled),
-                                   shape_queries(module, projected, pe, True), rtol=1e-5, atol=1e-5)
-    phi3 = make_model("phi3")
-    half = phi3.model.rotary_emb(hidden, positions)
-    assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None
-    shared = model.model.rotary_emb(hidden.expand(2, 3, -1), torch.arange(3, device=DEVICE)[None])
-    assert rope_matrix(shared, module.head_dim) is None
+def test_an_eviction_moves_the_newest_slot_into_the_victims_and_a_filler_victim_becomes_real():
+    """`KVLayer.evict`: per row and head the victim's slot is gone and the newest token sits in it, every other slot
+    as it was; a row with room evicts its filler slot (the same for each head), which then holds a real token."""
+    layer = KVLayer()
+    b, h, n, d = 2, 3, 6, 4
+    keys = torch.randn(b, h, n, d)
+    layer.update(keys[:, :, :5], keys[:, :, :5] + 1, valid=torch.tensor([[True] * 5, [False, False] + [True] * 3]))
+    layer.compressed = True
+    layer.update(keys[:, :, 5:], keys[:, :, 5:] + 1)  # the newest token, real in both rows
+    victim = torch.tensor([[2, 0, 4], [0, 0, 0]])  # row 0: real tokens; row 1: its first filler slot
+    layer.evict(victim)
+    assert layer.slots == n - 1 and torch.equal(layer.valid, torch.tensor([[True] * 5, [True, False] + [True] * 3]))
+    for row in range(b):
+        for head in range(h):
+            slot = int(victim[row, head])
+            assert int(layer.positions[row, head, slot]) == n - 1
+            torch.testing.assert_close(layer.keys[row, head, slot], keys[row, head, n - 1])
+            torch.testing.assert_close(layer.values[row, head, slot], keys[row, head, n - 1] + 1)
+            kept = [i for i in range(n - 1) if i != slot]  # slot i held position i, and still does
+            assert layer.positions[row, head, kept].tolist() == kept
+            torch.testing.assert_close(layer.keys[row, head, kept], keys[row, head, kept])
 
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
-    """The attention H2O adds up while decoding: eager's weights, or (sdpa) each step's rows recomputed after the
-    last layer from every layer's query rotated at once (one RoPE matrix, or one per row in a padded batch)."""
+    """The attention H2O adds up while decoding: eager's weights, or (sdpa) each step's rows recomputed from the
+    captured query projection, rows at their own positions in a padded batch."""
     kept = {}
     ids, mask = left_padded((40, 60), 60) if padded else (prompt(60), None)
     for impl in ("eager", "sdpa"):
@@ -421,40 +366,6 @@ def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
         assert torch.equal(a, b)
     for a, b in zip(kept["eager-scores"], kept["sdpa-scores"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("padded", [False, True])
-def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
-    """A decoding step's victims, found for every layer at once from their stacked scores at the last layer, are
-    each layer's own: the same tokens and logits as evicting every layer after its attention, with padding too."""
-    from sparsekv.presses.h2o import H2OPress as Press_
-
-    model = make_model("qwen2")
-    ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
-
-    def run():
-        with H2OPress(ratio=0.3)(model):
-            return greedy(model, ids, mask, new=20, output_logits=True, return_dict_in_generate=True)
-
-    stacked = []
-    evict_together = Press_.evict_together
-    monkeypatch.setattr(Press_, "evict_together", lambda self, plan: stacked.append(len(plan.waiting)) or
-                        evict_together(self, plan))
-    together = run()
-    assert stacked and set(stacked) == {len(compressed_layers(together.cache))}  # every layer waited, each step
-
-    def one_by_one(self, plan):
-        for layer in plan.waiting:
-            scores = self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, plan.start)
-            layer.evict(self.lowest_real(scores, None if layer.all_valid else layer.valid, plan.budgets))
-        plan.waiting = []
-
-    monkeypatch.setattr(Press_, "evict_together", one_by_one)
-    alone = run()
-    assert torch.equal(together.sequences, alone.sequences)
-    torch.testing.assert_close(torch.stack(together.logits), torch.stack(alone.logits), rtol=0, atol=0)
-    for a, b in zip(compressed_layers(together.cache), compressed_layers(alone.cache)):
-        assert torch.equal(a.positions, b.positions)
 
 
 def test_snapkv_scores_match_full_attention():
@@ -576,13 +487,3 @@ def test_row_tensors_are_copied_to_a_device_once_per_value():
     assert again is not first and again.device == meta and cache.on("prompt_start", meta) is again
 
 
-def test_victim_indices_made_for_stacked_layers_are_each_layers_own():
-    """H2O and StreamingLLM make every layer's scatter indices of a step at once: each layer's part is what that
-    layer would have made alone (a wrong slot would overwrite a kept token)."""
-    from sparsekv.buffers import victim_indices
-    victims = torch.randint(0, 50, (5, 2, 3))  # (layers, batch, heads)
-    slots, index = victim_indices(victims, 8)
-    for i in range(5):
-        alone = victim_indices(victims[i], 8)
-        assert torch.equal(slots[i], alone[0]) and torch.equal(index[i], alone[1])
-        assert index[i].shape == (2, 3, 1, 8) and torch.equal(index[i][..., 0, 7], victims[i])
