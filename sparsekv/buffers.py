@@ -80,3 +80,11 @@ def allocated(t: torch.Tensor) -> torch.Tensor:
     """`t` with the free room behind it (what it holds in memory)."""
     room = buffer_of(t, 0)
     return t if room is None else room
+
+
+def victim_indices(victim: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`victim` `(..., batch, heads)` as scatter indices into a layer's tensors: `(..., batch, heads, 1)` for the
+    per-slot ones, `(..., batch, heads, 1, width)` for keys and values. Leading dimensions make them for several
+    layers at once (stacked victims), in the same few ops as for one."""
+    slot = victim[..., None]
+    return slot, slot[..., None].expand(*slot.shape, width)

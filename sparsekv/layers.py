@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .buffers import allocated, append_in_place, slot_dim
+from .buffers import allocated, append_in_place, slot_dim, victim_indices
 from .state import RowState, padded
 
 
@@ -57,6 +57,7 @@ class KVLayer(RowState, CacheLayerMixin):
         self.compressed = False
         self.new_tokens = 0  # tokens of the last forward (`update`)
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
+        self._views: _StepViews | None = None  # an evicting layer's step views (`evict`), while they hold
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty tensors of the first forward's dtype, device, batch and heads."""
@@ -74,6 +75,9 @@ class KVLayer(RowState, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
+        if q == 1 and valid is None and self._views is not None and not torch.is_grad_enabled() \
+                and self._views.held_by(self):  # (generate's steps run without gradients)
+            return self._views.write(self, key_states, value_states)
         self._append("keys", key_states)
         self._append("values", value_states)
         self._append("positions", self.logical_len if q == 1 else torch.arange(
@@ -100,7 +104,7 @@ class KVLayer(RowState, CacheLayerMixin):
         after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
         layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does).
         """
-        holder = self.__dict__ if where is None else where
+        holder = vars(self) if where is None else where
         current = holder[name]
         dim = slot_dim(current)
         if getattr(new, "requires_grad", False) or current.requires_grad:  # differentiable: no in-place writes
@@ -142,6 +146,7 @@ class KVLayer(RowState, CacheLayerMixin):
         self.valid = valid
         self.all_valid = bool(valid.all())
         self.compressed = True
+        self._views = None  # (they view the tensors replaced)
 
     def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int) -> None:
         """Evict the lowest-`scores` `(batch, heads, slots)` real tokens until each row holds no more than its
@@ -155,37 +160,24 @@ class KVLayer(RowState, CacheLayerMixin):
             return
         budgets = budgets.to(self.device)
         if self.slots == largest + 1:
-            self.evict(self.lowest_real(scores, budgets))
+            self.evict(lowest_real(scores, None if self.all_valid else self.valid, budgets))
             return
         if self.new_tokens <= int(budgets.min()):
             scores = scores.masked_fill(self.positions >= self.logical_len - self.new_tokens, float("inf"))
         self.keep(scores.masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
 
-    def lowest_real(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-        """`(batch, heads)` the slot with the lowest `scores` `(batch, heads, slots)` of each row and head among its
-        real tokens; a row holding no more real tokens than its budget (`budgets` `(batch,)`: a prompt kept whole,
-        still growing) gives its first filler slot instead, the same for every head, which the newest token fills."""
-        if self.all_valid:
-            return scores.argmin(dim=-1)
-        victim = scores.masked_fill(~self.valid[:, None, :], float("inf")).argmin(dim=-1)
-        room = self.valid.sum(-1) <= budgets
-        filler = (~self.valid).to(torch.int8).argmax(dim=-1)
-        return torch.where(room[:, None], filler[:, None], victim)
-
-    def evict(self, victim: torch.Tensor) -> None:
+    def evict(self, victim: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Drop one slot per row and head, `victim` `(batch, heads)`: a real token, or a row's filler slot (the
         same for each of its heads, `lowest_real`). The newest slot (a real token) moves into the victim's, so
-        validity stays shared by the heads of a row, and the slots are one fewer."""
+        validity stays shared by the heads of a row, and the slots are one fewer. `indices`:
+        `victim_indices(victim, head_dim)` when the caller made them (for several layers at once)."""
         if not self.all_valid:  # a filler victim holds the newest token from now on (a real one is real already)
             self.valid.scatter_(1, victim[:, :1], True)
-        last, slot = self.slots - 1, victim[..., None]
-        for name in ("keys", "values"):
-            t = getattr(self, name)
-            t.scatter_(2, slot[..., None].expand(*slot.shape, t.shape[-1]), t[:, :, last:])
-            setattr(self, name, t[:, :, :last])
-        self.positions = self.positions.scatter_(-1, slot, self.positions[..., last:])[..., :last]
-        self.extra = {n: t.scatter_(-1, slot, t[..., last:])[..., :last] for n, t in self.extra.items()}
-        self.valid = self.valid[:, :last]
+        views = self._views if self._views is not None and self._views.grown_by(self) else _StepViews(self)
+        if indices is None or indices[1].shape[-1] != self.keys.shape[-1]:
+            indices = victim_indices(victim, self.keys.shape[-1])
+        views.evict(self, *indices)
+        self._views = None if self.keys.requires_grad else views
         self.compressed = True
 
     @classmethod
@@ -214,6 +206,10 @@ class KVLayer(RowState, CacheLayerMixin):
     def slots(self) -> int:
         """Slots held per row and head."""
         return 0 if self.keys is None else self.keys.shape[-2]
+
+    def map_rows(self, fn, batch: int) -> None:
+        self._views = None  # they view the tensors about to be replaced
+        super().map_rows(fn, batch)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise RuntimeError("sparsekv: reorder a SparseCache as a whole (`cache.reorder_cache`), not layer by layer.")
@@ -291,6 +287,85 @@ def padded_to_widest(layers: list) -> list:
         vars(twin).update(
             keys=grown(layer.keys, 0), values=grown(layer.values, 0), positions=grown(layer.positions, 0),
             valid=grown(layer.valid, False), extra={n: grown(t, 0) for n, t in layer.extra.items()},
-            compressed=compressed, all_valid=all_valid)
+            compressed=compressed, all_valid=all_valid, _views=None)
         copies.append(twin)
     return copies
+
+
+def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None, budgets: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """The slot with the lowest `scores` `(..., batch, heads, slots)` per row and head, among the real ones
+    (`valid` `(..., batch, slots)`; None: all are): one layer's, or several layers' stacked. With `budgets`
+    `(batch,)`: a row holding no more real tokens than its budget (a prompt kept whole, still growing) gives
+    its first filler slot instead, the same for every head, which the newest token fills."""
+    if valid is None:
+        return scores.argmin(dim=-1)
+    victim = scores.masked_fill(~valid[..., None, :], float("inf")).argmin(dim=-1)
+    if budgets is not None:
+        room = valid.sum(-1) <= budgets  # (..., batch)
+        filler = (~valid).to(torch.int8).argmax(dim=-1)
+        victim = torch.where(room[..., None], filler[..., None], victim)
+    return victim
+
+
+class _StepViews:
+    """A layer that evicts one token a step holds `n` slots between steps and `n + 1` during one: the same
+    buffers at two lengths. These are their views, made at an eviction and reused while they are the layer's
+    tensors: `held` (`n` slots), `grown` (`n + 1`) and `newest` (slot `n`, where a step's token is written and
+    whence an eviction moves it). A step then writes and scatters and makes no view: each view is an op to
+    dispatch, and a decoding step's cost where the host is the bound is its op count."""
+
+    def __init__(self, layer: KVLayer):
+        n = layer.slots - 1
+        self.grown = {"keys": layer.keys, "values": layer.values, "positions": layer.positions, "valid": layer.valid,
+                      **{("extra", name): t for name, t in layer.extra.items()}}
+        self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
+        self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
+        self.extra_names = tuple(layer.extra)
+
+    def _are(self, views: dict, layer: KVLayer) -> bool:
+        return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
+                layer.positions and views["valid"] is layer.valid and tuple(layer.extra) == self.extra_names
+                and all(views[("extra", name)] is t for name, t in layer.extra.items()))
+
+    def held_by(self, layer: KVLayer) -> bool:
+        """Whether `layer`'s tensors are these `n`-slot views (nothing replaced them since the eviction)."""
+        return self._are(self.held, layer)
+
+    def grown_by(self, layer: KVLayer) -> bool:
+        return self._are(self.grown, layer)
+
+    def write(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`."""
+        new = self.newest
+        new["keys"].copy_(key_states)
+        new["values"].copy_(value_states)
+        new["positions"].fill_(layer.logical_len)
+        new["valid"].fill_(True)
+        for name in self.extra_names:
+            new[("extra", name)].zero_()
+        self._set(layer, self.grown)
+        layer.logical_len += 1
+        layer.new_tokens = 1
+        return layer.keys, layer.values
+
+    def evict(self, layer: KVLayer, slot: torch.Tensor, index: torch.Tensor) -> None:
+        """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`; `index` the same expanded over the keys'
+        width); the layer's tensors become `held`."""
+        grown, new = self.grown, self.newest
+        grown["keys"].scatter_(2, index, new["keys"])
+        if grown["values"].shape[-1] != index.shape[-1]:  # (models with other value widths)
+            index = slot[..., None].expand(*slot.shape, grown["values"].shape[-1])
+        grown["values"].scatter_(2, index, new["values"])
+        grown["positions"].scatter_(-1, slot, new["positions"])
+        for name in self.extra_names:
+            grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])
+        if grown["keys"].requires_grad:  # a forward with gradients reads no view made before these writes
+            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
+        else:
+            self._set(layer, self.held)
+
+    def _set(self, layer: KVLayer, views: dict) -> None:
+        layer.keys, layer.values = views["keys"], views["values"]
+        layer.positions, layer.valid = views["positions"], views["valid"]
+        layer.extra = {name: views[("extra", name)] for name in self.extra_names}

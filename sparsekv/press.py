@@ -28,9 +28,6 @@ And two factories: `new_layer(layer_idx)` (a `KVLayer`, or a `StoreLayer` with t
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import numbers
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -40,58 +37,10 @@ import torch
 from .attention import AttentionCall
 from .cache import Forward, KVLayer, SparseCache
 from .hooks import install
+from .layers import lowest_real
 from .log import say_once
+from .options import check_arguments, check_number
 from .state import RowState
-
-
-def check_number(owner: str, name: str, value, *, integer: bool = False, low=None, high=None,
-                 low_open: bool = False, unit: str = ""):
-    """`value` as a Python int or float (numpy scalars accepted, booleans refused), or a ValueError naming
-    `owner.name` and the allowed range: `[low, high]`, `(low, high]` when `low_open`."""
-    kind = numbers.Integral if integer else numbers.Real
-    ok = isinstance(value, kind) and not isinstance(value, (bool, torch.Tensor))
-    if ok:
-        value = int(value) if integer else float(value)
-        ok = (low is None or (value > low if low_open else value >= low)) and (high is None or value <= high)
-    if not ok:
-        if high is None:
-            bound = f"{'>' if low_open else '>='} {low}"
-        else:
-            bound = f"in {'(' if low_open else '['}{low}, {high}]" if low is not None else f"<= {high}"
-        what = "an integer " if integer else "" if high is not None else "a number "
-        raise ValueError(f"{owner}: {name} must be {what}{bound}{f' ({unit})' if unit else ''}; got {value!r}.")
-    return value
-
-
-# kvpress's spellings of sparsekv's options (what a user coming from kvpress writes first).
-KVPRESS_NAMES = {"n_sink": "n_sinks", "chunk_length": "chunk_size", "window": "window_size", "kernel": "kernel_size"}
-
-
-def check_arguments(cls, args: tuple, kwargs: dict) -> None:
-    """A TypeError naming the slip and the sparsekv spelling, for arguments the press class `cls` does not take:
-    a positional ratio, an unknown option (kvpress's `compression_ratio`, `n_sink`, ...)."""
-    fields = [f for f in dataclasses.fields(cls) if f.init]
-    positional = [f.name for f in fields if not f.kw_only]
-    name = cls.__name__
-    if len(args) > len(positional):
-        extra = args[len(positional)]
-        given = [*positional, f"ratio={extra!r}" if isinstance(extra, numbers.Real) else "ratio=..."]
-        raise TypeError(f"{name} takes its options by keyword: {name}({', '.join(given)}), not {name}(" +
-                        ", ".join(map(repr, args)) + ").")
-    names = {f.name for f in fields}
-    for key, value in kwargs.items():
-        if key in names:
-            continue
-        if key == "compression_ratio":
-            kept = f" (here ratio={1 - value:g})" if isinstance(value, numbers.Real) else ""
-            hint = ("kvpress's compression_ratio is the fraction of the KV cache removed; sparsekv's ratio is the "
-                    f"fraction kept: ratio = 1 - compression_ratio{kept}.")
-        elif key in KVPRESS_NAMES and KVPRESS_NAMES[key] in names:
-            hint = f"sparsekv spells it {KVPRESS_NAMES[key]}."
-        else:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"did you mean {close[0]}?" if close else "it is not one of its options."
-        raise TypeError(f"{name}: unknown option {key}={value!r}: {hint} Its options: {', '.join(sorted(names))}.")
 
 
 @dataclass
@@ -264,6 +213,16 @@ class Press:
         """Whether every row keeps its whole prompt: its budget, plus the `beside` tokens the press keeps besides
         it, covers it (`row_budgets` set the budgets)."""
         return bool((cache.budgets + beside >= cache.prompt_lengths).all())
+
+    @staticmethod
+    def victims(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
+        """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token, or a filler
+        slot where the row holds no more real tokens than its budget (`lowest_real`)."""
+        if layer.all_valid:
+            return scores.argmin(dim=-1)
+        return lowest_real(scores, layer.valid, cache.on("budgets", layer.device))
+
+    lowest_real = staticmethod(lowest_real)
 
     @staticmethod
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:

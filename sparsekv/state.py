@@ -31,8 +31,7 @@ class RowState:
         """Replace every per-row tensor `t` (batch first, `batch` rows) by `fn(t)`, recursively."""
         for name, value in list(vars(self).items()):
             if name not in self.shared_state:
-                # A leading underscore is storage behind a public attribute (KVLayer's `keys` is `_keys`).
-                setattr(self, name, _map(value, fn, batch, f"{type(self).__name__}.{name.lstrip('_')}"))
+                setattr(self, name, _map(value, fn, batch, f"{type(self).__name__}.{name}"))
 
     @classmethod
     def joined(cls, states: list[RowState]) -> RowState:
@@ -43,7 +42,7 @@ class RowState:
         out = object.__new__(type(first))
         for name, value in vars(first).items():
             values = [vars(state)[name] for state in states]
-            where = f"{type(first).__name__}.{name.lstrip('_')}"
+            where = f"{type(first).__name__}.{name}"
             vars(out)[name] = value if name in first.shared_state else _join(values, where)
         return out
 

@@ -22,6 +22,7 @@ from sparsekv import (
     StreamingLLMPress,
 )
 from sparsekv.buffers import GROW, buffer_of, span
+from sparsekv.cache import Forward
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
@@ -338,10 +339,87 @@ def test_an_eviction_moves_the_newest_slot_into_the_victims_and_a_filler_victim_
             torch.testing.assert_close(layer.keys[row, head, kept], keys[row, head, kept])
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name", ["h2o", "streaming"])
+def test_a_step_through_an_evicting_layers_views_decodes_as_the_general_path(name, padded, impl, monkeypatch):
+    """An evicting layer's steps write into and scatter through the views its first eviction made: the same
+    tokens and logits at every step as the general append and move, with padding (a masked batch) too; between
+    steps the layer holds its budget, no more."""
+    from sparsekv.layers import _StepViews
+
+    model = make_model("qwen2", impl)
+    ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
+
+    def run():
+        with PRESSES[name](ratio=0.3)(model):
+            return greedy(model, ids, mask, new=30, output_logits=True, return_dict_in_generate=True)
+
+    writes = []
+    write = _StepViews.write
+    monkeypatch.setattr(_StepViews, "write", lambda self, *a: writes.append(1) or write(self, *a))
+    through_views = run()
+    assert len(writes) >= 28 * 3  # every step after the first eviction, in every layer
+    monkeypatch.setattr(_StepViews, "held_by", lambda self, layer: False)
+    general = run()
+    assert torch.equal(through_views.sequences, general.sequences)
+    torch.testing.assert_close(torch.stack(through_views.logits), torch.stack(general.logits), rtol=1e-5, atol=1e-5)
+    for a, b in zip(compressed_layers(through_views.cache), compressed_layers(general.cache)):
+        assert a.keys.shape[-2] == round(0.3 * 60) and torch.equal(a.positions, b.positions)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
+    """A decoding step rotates its queries with one matrix per row, made once for every layer: the same queries
+    as the model's own rotation, rows at different positions included; partial rotary gets no matrix."""
+    from sparsekv.attention import rope_matrix, shape_queries
+
+    model = make_model(arch)
+    module = model.model.layers[0].self_attn
+    positions = torch.tensor([[5], [77]], device=DEVICE)
+    hidden = torch.randn(2, 1, model.config.hidden_size, device=DEVICE)
+    cos_sin = model.model.rotary_emb(hidden, positions)
+    projected = module.q_proj(hidden)
+    matrix = rope_matrix(cos_sin, module.head_dim)
+    assert matrix.shape == (2, 1, module.head_dim, module.head_dim)
+    for grouped in (False, True):
+        torch.testing.assert_close(shape_queries(module, projected, cos_sin, grouped, matrix),
+                                   shape_queries(module, projected, cos_sin, grouped), rtol=1e-5, atol=1e-5)
+    # The step's matrices, plain and times attention's scaling (as attention's logits use the queries).
+    plain, scaled = Forward(None, None, 1).rope_matrices(cos_sin, module.head_dim, module.scaling)
+    torch.testing.assert_close(plain, matrix)
+    torch.testing.assert_close(shape_queries(module, projected, cos_sin, False, scaled),
+                               shape_queries(module, projected, cos_sin) * module.scaling, rtol=1e-5, atol=1e-5)
+    # One position for every row (position ids of batch 1): one matrix serves the batch.
+    shared = model.model.rotary_emb(hidden, positions[:1])
+    torch.testing.assert_close(shape_queries(module, projected, shared, False, rope_matrix(shared, module.head_dim)),
+                               shape_queries(module, projected, shared), rtol=1e-5, atol=1e-5)
+    plain, _ = Forward(None, None, 1).rope_matrices(shared, module.head_dim, module.scaling)
+    assert plain.shape == (module.head_dim, module.head_dim)  # the step's layers share it as a plain (d, d)
+    for grouped in (False, True):
+        torch.testing.assert_close(shape_queries(module, projected, shared, grouped, plain),
+                                   shape_queries(module, projected, shared, grouped), rtol=1e-5, atol=1e-5)
+    # Grouped queries: a KV head's query heads side by side times the matrix tiled (made once per forward).
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert group > 1
+    for pe in (shared, cos_sin):
+        forward = Forward(None, None, 1)
+        step, _ = forward.rope_matrices(pe, module.head_dim, module.scaling)
+        tiled = forward.tiled(step, group)
+        assert tiled is forward.tiled(step, group) and tiled.shape[-2:] == (group * module.head_dim, module.head_dim)
+        torch.testing.assert_close(shape_queries(module, projected, pe, True, tiled),
+                                   shape_queries(module, projected, pe, True), rtol=1e-5, atol=1e-5)
+    phi3 = make_model("phi3")
+    half = phi3.model.rotary_emb(hidden, positions)
+    assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None
+    shared = model.model.rotary_emb(hidden.expand(2, 3, -1), torch.arange(3, device=DEVICE)[None])
+    assert rope_matrix(shared, module.head_dim) is None
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
-    """The attention H2O adds up while decoding: eager's weights, or (sdpa) each step's rows recomputed from the
-    captured query projection, rows at their own positions in a padded batch."""
+    """The attention H2O adds up while decoding: eager's weights, or (sdpa) each step's rows recomputed after the
+    last layer from every layer's query rotated at once (one RoPE matrix, or one per row in a padded batch)."""
     kept = {}
     ids, mask = left_padded((40, 60), 60) if padded else (prompt(60), None)
     for impl in ("eager", "sdpa"):
@@ -366,6 +444,40 @@ def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
         assert torch.equal(a, b)
     for a, b in zip(kept["eager-scores"], kept["sdpa-scores"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
+    """A decoding step's victims, found for every layer at once from their stacked scores at the last layer, are
+    each layer's own: the same tokens and logits as evicting every layer after its attention, with padding too."""
+    from sparsekv.presses.h2o import H2OPress as Press_
+
+    model = make_model("qwen2")
+    ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
+
+    def run():
+        with H2OPress(ratio=0.3)(model):
+            return greedy(model, ids, mask, new=20, output_logits=True, return_dict_in_generate=True)
+
+    stacked = []
+    evict_together = Press_.evict_together
+    monkeypatch.setattr(Press_, "evict_together", lambda self, plan: stacked.append(len(plan.waiting)) or
+                        evict_together(self, plan))
+    together = run()
+    assert stacked and set(stacked) == {len(compressed_layers(together.cache))}  # every layer waited, each step
+
+    def one_by_one(self, plan):
+        for layer in plan.waiting:
+            scores = self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, plan.start)
+            layer.evict(self.lowest_real(scores, None if layer.all_valid else layer.valid, plan.budgets))
+        plan.waiting = []
+
+    monkeypatch.setattr(Press_, "evict_together", one_by_one)
+    alone = run()
+    assert torch.equal(together.sequences, alone.sequences)
+    torch.testing.assert_close(torch.stack(together.logits), torch.stack(alone.logits), rtol=0, atol=0)
+    for a, b in zip(compressed_layers(together.cache), compressed_layers(alone.cache)):
+        assert torch.equal(a.positions, b.positions)
 
 
 def test_snapkv_scores_match_full_attention():
@@ -487,3 +599,13 @@ def test_row_tensors_are_copied_to_a_device_once_per_value():
     assert again is not first and again.device == meta and cache.on("prompt_start", meta) is again
 
 
+def test_victim_indices_made_for_stacked_layers_are_each_layers_own():
+    """H2O and StreamingLLM make every layer's scatter indices of a step at once: each layer's part is what that
+    layer would have made alone (a wrong slot would overwrite a kept token)."""
+    from sparsekv.buffers import victim_indices
+    victims = torch.randint(0, 50, (5, 2, 3))  # (layers, batch, heads)
+    slots, index = victim_indices(victims, 8)
+    for i in range(5):
+        alone = victim_indices(victims[i], 8)
+        assert torch.equal(slots[i], alone[0]) and torch.equal(index[i], alone[1])
+        assert index[i].shape == (2, 3, 1, 8) and torch.equal(index[i][..., 0, 7], victims[i])

@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 
 from ..attention import AttentionCall
 from ..cache import Forward, KVLayer, SparseCache
-from ..press import Press, check_number
+from ..options import check_number
+from ..press import Press
 from ..store import StoreLayer
 from .chess_pages import (
     CHESSState, accumulate, budget_retention, catch_up, pad_columns, plan_forward, take_back, working_context,

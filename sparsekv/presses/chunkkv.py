@@ -10,7 +10,7 @@ import torch
 
 from ..attention import AttentionCall
 from ..cache import KVLayer, SparseCache
-from ..press import check_number
+from ..options import check_number
 from ..state import RowState
 from .snapkv import SnapKVPress
 

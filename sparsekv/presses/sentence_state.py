@@ -33,7 +33,7 @@ class LayerStack(RowState):
     """
 
     ranks: dict[int, int] = field(default_factory=dict)  # layer index -> its index on dim 1
-    last: int = -1  # the last stacked layer's index: a sentence that ends does so after it
+    last: int = -1  # the last stacked layer's index: the step's queries join the sums after it
     query_sum: torch.Tensor | None = None  # (batch, layers, kv_heads, 1, head_dim)
     sentence_keys: torch.Tensor | None = None  # (batch, layers, kv_heads, sentences, head_dim or 2 head_dim)
     sentence_sizes: torch.Tensor | None = None  # (batch, layers, 1, sentences)
@@ -43,8 +43,12 @@ class LayerStack(RowState):
     device_slot: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
     step_queries: list | torch.Tensor = field(default_factory=list)  # per layer, the last forward's queries
     # `(batch, kv_heads, q, d)`, or all layers' `(batch, layers, kv_heads, 1, d)` when they were added at once
+    projected: list = field(default_factory=list)  # per layer, a one-token step's query projection, until `last`
+    rope: torch.Tensor | None = None  # the RoPE matrix of those projections (the step's, shared by its layers)
+    heads: int = 0  # query heads per layer
     before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
 
+    shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
                                           "slot_room", "resident", "device_slot")
 

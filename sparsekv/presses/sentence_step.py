@@ -9,6 +9,7 @@ import functools
 import torch
 from torch import nn
 
+from ..attention import rotate_projections
 from ..cache import KVLayer, SparseCache
 from ..log import logger
 from ..store import flat_index, gather_rows, offloaded
@@ -66,6 +67,27 @@ def plan_step(press, cache: SparseCache) -> None:
     stack.step_queries = [None] * len(stack.ranks)
 
 
+def add_queries(cache: SparseCache, stack: LayerStack) -> None:
+    """Add the one-token step's queries that `on_queries` kept as projections to every layer's sum: grouped by
+    KV head and rotated in one product for all layers (the step's RoPE matrix, tiled over a group), where each
+    layer took five ops of its own."""
+    kept = [i for i, projected in enumerate(stack.projected) if projected is not None]
+    if not kept:
+        return
+    kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
+    matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
+    queries = rotate_projections([stack.projected[i] for i in kept], matrix, heads * d).float()
+    if len(kept) == len(stack.projected):  # every layer's (the common case)
+        stack.query_sum += queries
+        stack.step_queries = queries  # for `crop`, stacked
+    else:
+        stack.query_sum.index_add_(1, torch.tensor(kept, device=queries.device), queries)
+        for j, i in enumerate(kept):
+            stack.step_queries[i] = queries[:, j]
+    stack.before_reset = None
+    stack.projected, stack.rope = [None] * len(stack.projected), None
+
+
 def stack_layers(cache: SparseCache) -> LayerStack | None:
     """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
     their ranking state to it. All have the same store width (the budget sets it). Layers on several devices
@@ -81,7 +103,8 @@ def stack_layers(cache: SparseCache) -> LayerStack | None:
         cache.state.per_layer = True
         return None
     width = max(layer.state.sentence_keys.shape[2] for layer in layers)
-    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1])
+    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1],
+                       heads=cache.config.get_text_config(decoder=True).num_attention_heads)
     for name in LayerStack.STACKED:
         parts = [getattr(layer.state, name) for layer in layers]
         if name == "sentence_keys":
@@ -91,7 +114,7 @@ def stack_layers(cache: SparseCache) -> LayerStack | None:
         setattr(stack, name, torch.stack(parts, dim=1))
         for layer in layers:
             setattr(layer.state, name, None)
-    stack.step_queries = [None] * len(layers)
+    stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
     return stack
 
 

@@ -12,13 +12,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..attention import AttentionCall, rotate
+from ..attention import AttentionCall, query_norm, rotate
 from ..cache import Forward, KVLayer, SparseCache
-from ..press import check_number
+from ..options import check_number
 from ..segment import closes_sentence, sentence_ids
 from ..store import StoreLayer
 from .sentence_state import SentenceLayerState, SentenceState, as_rows, end_sentence
-from .sentence_step import load, loading_room, plan_step
+from .sentence_step import add_queries, load, loading_room, plan_step
 from .snapkv import SnapKVPress
 
 
@@ -264,6 +264,12 @@ class SentencePress(SnapKVPress):
         if layer.store_keys is None:
             return
         stack = cache.state.stack
+        if stack is not None and call.rope is not None and cache.forward.input_valid is None \
+                and query_norm(call.module) is None and (stack.rope is None or stack.rope is call.rope):
+            # `plan="step"`, one token: its projection is kept as it is, and every layer's is grouped and rotated
+            # at once after the last layer (`add_queries`): no op here.
+            stack.projected[stack.ranks[call.module.layer_idx]], stack.rope = call.projected, call.rope
+            return
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if cache.forward.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
@@ -309,6 +315,7 @@ class SentencePress(SnapKVPress):
         closing, state, stack = cache.forward.plan, layer.state, cache.state.stack
         if stack is not None:  # every layer's at once, after the last
             if call.module.layer_idx == stack.last:
+                add_queries(cache, stack)
                 end_sentence(stack, closing)
         elif state.query_sum is not None:
             end_sentence(state, closing)

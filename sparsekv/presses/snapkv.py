@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from ..attention import AttentionCall
 from ..cache import KVLayer, SparseCache
-from ..press import ScorerPress, check_number
+from ..options import check_number
+from ..press import ScorerPress
 
 
 @dataclass(kw_only=True)
