@@ -32,13 +32,15 @@ class KVLayer(RowState, CacheLayerMixin):
             shared by the heads of a row: every head of a row keeps the same number of real tokens.
         extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
             `keep` / `evict` / `crop` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
-        state: the press's own state for this layer (`Press.layer_state`), a `RowState` or None.
+        state: the press's own state for this layer (given by `Press.new_layer`), a `RowState` or None.
         logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
         compressed: True once the physical layout differs from the logical one.
         new_tokens: tokens the last forward appended (`hold_budget` never evicts them when they fit).
 
     The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
-    them with new tensors (`select`) or write into them in place, never keep views of them across steps.
+    them with new tensors (`select`) or write into them in place, never keep views of them across steps. A layer
+    that evicts one token a step (`evict`) holds as many slots after every step: its steps write and scatter
+    through views made once (`_StepViews`), while nothing else replaces its tensors.
     """
 
     is_sliding = False
