@@ -531,6 +531,36 @@ def test_deepcopy_shares_the_press_and_copies_the_state():
     assert torch.equal(clone.layers[0].keys, cache.layers[0].keys)
 
 
+@pytest.mark.parametrize("name", ["h2o", "streaming"])
+def test_a_copy_made_while_evicting_decodes_as_the_original_and_shares_no_storage(name):
+    """A cache copied between two evicting steps (its layers' step views with it) continues as the original does,
+    writing into storage of its own: the original's next steps leave the copy as it was."""
+    import copy
+
+    model = make_model("qwen2", "sdpa")
+    with PRESSES[name](budget=24)(model), torch.no_grad():
+        out = model(prompt(70))
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        for _ in range(5):
+            out = model(token, cache=cache)
+            token = out.logits[:, -1:].argmax(-1)
+        twin = copy.deepcopy(cache)
+        kept = [layer.keys.clone() for layer in compressed_layers(twin)]
+        for _ in range(3):
+            model(token, cache=cache)
+        assert all(torch.equal(a, layer.keys) for a, layer in zip(kept, compressed_layers(twin)))
+        original = copy.deepcopy(twin)
+        before = [layer.keys.clone() for layer in compressed_layers(cache)]
+        ours, theirs = token, token
+        for _ in range(8):
+            a, b = model(ours, cache=twin).logits, model(theirs, cache=original).logits
+            assert torch.equal(a, b)
+            ours = theirs = a[:, -1:].argmax(-1)
+        assert all(torch.equal(a, layer.keys) for a, layer in zip(before, compressed_layers(cache)))
+    for a, b in zip(compressed_layers(twin), compressed_layers(original)):
+        assert torch.equal(a.positions, b.positions) and a.keys.shape[-2] == 24
+
+
 def test_prompt_kept_marks_what_attention_reads():
     model = make_model("llama", "sdpa")
     with StreamingLLMPress(budget=12, n_sinks=4)(model):
