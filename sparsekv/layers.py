@@ -162,11 +162,16 @@ class KVLayer(RowState, CacheLayerMixin):
             return
         budgets = budgets.to(self.device)
         if self.slots == largest + 1:
-            self.evict(lowest_real(scores, None if self.all_valid else self.valid, budgets))
+            self.evict(self.victims(scores, budgets))
             return
         if self.new_tokens <= int(budgets.min()):
             scores = scores.masked_fill(self.positions >= self.logical_len - self.new_tokens, float("inf"))
         self.keep(scores.masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
+
+    def victims(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token, or a filler
+        slot where the row holds no more real tokens than its budget (`lowest_real`)."""
+        return lowest_real(scores, None if self.all_valid else self.valid, budgets)
 
     def evict(self, victim: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Drop one slot per row and head, `victim` `(batch, heads)`: a real token, or a row's filler slot (the
@@ -178,8 +183,9 @@ class KVLayer(RowState, CacheLayerMixin):
         views = self._views if self._views is not None and self._views.grown_by(self) else _StepViews(self)
         if indices is None or indices[1].shape[-1] != self.keys.shape[-1]:
             indices = victim_indices(victim, self.keys.shape[-1])
-        views.evict(self, *indices)
-        self._views = None if self.keys.requires_grad else views
+        reuse = not self.keys.requires_grad  # a forward with gradients reads no view made before these writes
+        views.evict(self, *indices, reuse)
+        self._views = views if reuse else None
         self.compressed = True
 
     @classmethod
@@ -351,9 +357,9 @@ class _StepViews:
         layer.new_tokens = 1
         return layer.keys, layer.values
 
-    def evict(self, layer: KVLayer, slot: torch.Tensor, index: torch.Tensor) -> None:
+    def evict(self, layer: KVLayer, slot: torch.Tensor, index: torch.Tensor, reuse: bool) -> None:
         """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`; `index` the same expanded over the keys'
-        width); the layer's tensors become `held`."""
+        width); the layer's tensors become `held`, or with `reuse` False views made after these writes."""
         grown, new = self.grown, self.newest
         grown["keys"].scatter_(2, index, new["keys"])
         if grown["values"].shape[-1] != index.shape[-1]:  # (models with other value widths)
@@ -362,10 +368,10 @@ class _StepViews:
         grown["positions"].scatter_(-1, slot, new["positions"])
         for name in self.extra_names:
             grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])
-        if grown["keys"].requires_grad:  # a forward with gradients reads no view made before these writes
-            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
-        else:
+        if reuse:
             self._set(layer, self.held)
+        else:
+            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
 
     def _set(self, layer: KVLayer, views: dict) -> None:
         layer.keys, layer.values = views["keys"], views["values"]

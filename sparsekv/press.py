@@ -217,10 +217,8 @@ class Press:
     @staticmethod
     def victims(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
         """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token, or a filler
-        slot where the row holds no more real tokens than its budget (`lowest_real`)."""
-        if layer.all_valid:
-            return scores.argmin(dim=-1)
-        return lowest_real(scores, layer.valid, cache.on("budgets", layer.device))
+        slot where the row holds no more real tokens than its budget (`KVLayer.victims`)."""
+        return layer.victims(scores, cache.on("budgets", layer.device))
 
     lowest_real = staticmethod(lowest_real)
 
