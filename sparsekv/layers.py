@@ -13,7 +13,6 @@ generic (`sparsekv.state`).
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -32,7 +31,6 @@ class KVLayer(RowState, CacheLayerMixin):
             shared by the heads of a row: every head of a row keeps the same number of real tokens.
         extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
             `keep` / `evict` / `crop` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
-        state: the press's own state for this layer (given by `Press.new_layer`), a `RowState` or None.
         logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
         compressed: True once the physical layout differs from the logical one.
         new_tokens: tokens the last forward appended (`hold_budget` never evicts them when they fit).
@@ -47,14 +45,13 @@ class KVLayer(RowState, CacheLayerMixin):
     is_compileable = False
     is_croppable = True  # the tokens of the last forward can be removed (`crop`)
 
-    def __init__(self, state: Any = None):
+    def __init__(self):
         super().__init__()
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
-        self.state = state
         self.logical_len = 0
         self.compressed = False
         self.new_tokens = 0  # tokens of the last forward (`update`)

@@ -22,7 +22,7 @@ the method needs, every default does nothing:
 Between forwards, `crop(cache, length)`: assisted decoding rejected the last forward's tokens from `length` on;
 take back what they added to the press's own state (the core crops the layers' KV right after).
 
-And two factories: `new_layer(layer_idx)` (a `KVLayer`, or a `StoreLayer` with the press's per-layer state) and
+And two factories: `new_layer(layer_idx)` (a `KVLayer`, or a `StoreLayer` that keeps KV in a store) and
 `new_state(cache)` (the press's per-generation state, a `RowState`).
 """
 

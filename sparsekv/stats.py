@@ -73,6 +73,9 @@ def cache_stats(cache) -> CacheStats:
                 kv += t.nbytes
         for t in held_tensors(layer):
             by_device[str(t.device)] += t.untyped_storage().nbytes()
+    if isinstance(cache.state, RowState):  # the press's (CHESS's page sums, SentenceKV's sentence vectors)
+        for t in distinct(cache.state.tensors()):
+            by_device[str(t.device)] += t.untyped_storage().nbytes()
     return CacheStats(
         logical_tokens=cache.get_seq_length(),
         resident_tokens=resident,
@@ -125,11 +128,14 @@ def cache_footprint(cache) -> tuple[float, float, int]:
 
 
 def held_tensors(layer) -> list[torch.Tensor]:
-    """Every tensor a sparsekv `layer` holds (KV and bookkeeping, the press's layer state included), each storage once."""
-    if not layer.is_initialized:
-        return []
+    """Every tensor a sparsekv `layer` holds (KV and bookkeeping), each storage once."""
+    return distinct(layer.tensors()) if layer.is_initialized else []
+
+
+def distinct(tensors) -> list[torch.Tensor]:
+    """The tensors `tensors` are views of (`allocated`), each storage once."""
     seen, held = set(), []
-    for t in layer.tensors():
+    for t in tensors:
         t = allocated(t)
         key = (t.device, t.untyped_storage().data_ptr())
         if key not in seen:

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from .layers import KVLayer
+from .layers import KVLayer, padded_to_widest
 from .state import padded
 
 
@@ -22,6 +22,8 @@ class StoreLayer(KVLayer):
         records_tokens: every token seen is written to the store at its position (slot = position, the store
             grows), and attention reads the store itself until a working set is selected (`gather`). False: the
             store is filled once (`fill_store`) and new tokens go to the working set only.
+        loaded: the working set's first slots, which the press loads with store tokens (`load`; SentenceKV's
+            loaded region, its fillers last); 0: none.
     """
 
     @classmethod
@@ -49,21 +51,25 @@ class StoreLayer(KVLayer):
             twin.store_positions = padded(layer.store_positions, 1, r, layer.logical_len - 1)
             twin.store_keys = twin.store_values = None  # joined below, straight into (pinned) memory
             copies.append(twin)
-        out = super().joined(copies)
+        copies = padded_to_widest(copies)
+        for twin in copies:  # each row's loaded region padded to the largest (its fillers last)
+            twin.loaded = max(layer.loaded for layer in layers)
+        out = super(KVLayer, cls).joined(copies)  # `RowState.joined`: the rows are laid out alike now
         out.store_keys, out.store_values = (_joined_store([getattr(layer, name) for layer in layers], r)
                                             for name in ("store_keys", "store_values"))
         return out
 
     def filler_slot(self) -> int:
-        """A working set may begin with a region loaded from the store (its state's `loaded` slots, SentenceKV's),
-        whose fillers come last within it: a joined row's go there too."""
-        return getattr(self.state, "loaded", 0)
+        """A working set may begin with a region loaded from the store (`loaded` slots, SentenceKV's), whose
+        fillers come last within it: a joined row's go there too."""
+        return self.loaded
 
-    def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False, state=None):
-        super().__init__(state)
+    def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False):
+        super().__init__()
         self.store_device = None if store_device is None else torch.device(store_device)
         self.records_tokens = records_tokens
         self.store_keys = self.store_values = self.store_positions = None
+        self.loaded = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from sparsekv import (
 )
 from sparsekv.buffers import GROW, buffer_of, span
 from sparsekv.cache import Forward
+from sparsekv.stats import held_tensors
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
@@ -516,6 +517,17 @@ def test_stats_report_logical_resident_attended_and_bytes():
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     assert stats.kv_bytes == kv and stats.bytes_by_device[str(cache.layers[0].keys.device)] > kv
     assert stats.seconds["compress"] > 0
+
+
+def test_bytes_by_device_count_the_press_state_too():
+    """`bytes_by_device` is every tensor the cache holds: the layers' and the press's per-generation state's (here
+    CHESS's page sums, on the model's device beside the layers)."""
+    model = make_model("llama")
+    with CHESSPress(ratio=0.3, page_size=4, page_stride=4, chunk_pages=2, grid_chunks=2)(model):
+        cache = greedy(model, prompt(120), new=3, return_dict_in_generate=True).cache
+    device = str(cache.layers[0].keys.device)
+    layers = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in held_tensors(layer))
+    assert cache.stats().bytes_by_device[device] >= layers + cache.state.page_sums.untyped_storage().nbytes()
 
 
 def test_deepcopy_shares_the_press_and_copies_the_state():

@@ -199,16 +199,14 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
 
 
 def query_sums(cache) -> list[torch.Tensor]:
-    """SentencePress's mean query sum of each compressed layer (held by the layer, or by the stack of them)."""
-    stack = cache.state.stack
-    return [layer.state.query_sum for layer in cache.compressed_layers()] if stack is None else \
-        list(stack.query_sum.unbind(1))
+    """SentencePress's mean query sum of each compressed layer (each a slice of the stack of them)."""
+    return [sum_ for stack in cache.state.stacks for sum_ in stack.query_sum.unbind(1)]
 
 
 def step_queries(cache) -> list[torch.Tensor]:
     """SentencePress's queries of the last forward, per compressed layer."""
-    stack = cache.state.stack
-    return [layer.state.step_queries for layer in cache.compressed_layers()] if stack is None else stack.step_queries
+    return [query for stack in cache.state.stacks for query in (
+        stack.step_queries.unbind(1) if isinstance(stack.step_queries, torch.Tensor) else stack.step_queries)]
 
 
 # --- a prompt in pieces (generate's prefill_chunk_size) ----------------------------------------------------------

@@ -60,11 +60,10 @@ def test_rows_prefilled_apart_generate_what_the_batch_does(arch, impl, press):
         kept, expected = joined.prompt_kept(), cache.prompt_kept()
         for mine, theirs in zip(joined.compressed_layers(), cache.compressed_layers()):
             assert mine.slots == theirs.slots and torch.equal(mine.valid, theirs.valid)
-            # A layer's state (SentenceKV's): its counts and indices laid out as the batch's (sentences,
-            # store slots, the loaded region; a vector of an empty sentence may differ: it is never loaded)
-            for name, value in (vars(theirs.state) if theirs.state is not None else {}).items():
-                if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
-                    assert _equal(vars(mine.state)[name], value), name
+            assert getattr(mine, "loaded", 0) == getattr(theirs, "loaded", 0)  # SentenceKV's loaded region
+        # The press's state (SentenceKV's): its counts and indices laid out as the batch's (sentences, store slots,
+        # the loaded region; a vector of an empty sentence may differ: it is never loaded)
+        _assert_laid_out_alike(joined.state, cache.state, "state")
         out = model.generate(ids, attention_mask=mask, cache=joined, max_new_tokens=8, do_sample=False)
         decoded, decoded_expected = joined.prompt_kept(), cache.prompt_kept()
     assert kept.keys() == expected.keys()
@@ -75,8 +74,19 @@ def test_rows_prefilled_apart_generate_what_the_batch_does(arch, impl, press):
         assert any(not torch.equal(decoded[i], kept[i]) for i in kept)
 
 
-def _equal(a, b) -> bool:
-    return torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+def _assert_laid_out_alike(mine, theirs, where: str) -> None:
+    """Every integer and boolean tensor (and every other value) of a state equal, recursively; float ones skipped."""
+    if isinstance(theirs, torch.Tensor):
+        assert theirs.is_floating_point() or torch.equal(mine, theirs), where
+    elif isinstance(theirs, RowState):
+        for name, value in vars(theirs).items():
+            _assert_laid_out_alike(vars(mine)[name], value, f"{where}.{name}")
+    elif isinstance(theirs, (list, tuple, dict)):
+        assert len(mine) == len(theirs), where
+        for key in (theirs if isinstance(theirs, dict) else range(len(theirs))):
+            _assert_laid_out_alike(mine[key], theirs[key], f"{where}[{key!r}]")
+    else:
+        assert mine == theirs, where
 
 
 @pytest.mark.parametrize("press", [H2OPress(ratio=0.3), JOINING[4]], ids=lambda p: type(p).__name__)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -15,7 +14,8 @@ from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.attention import project_queries, rotate
 from sparsekv.buffers import GROW
-from sparsekv.presses.sentence_step import load, loading_room, plan_step, rank_in_sentence
+from sparsekv.presses.sentence_state import SentenceState
+from sparsekv.presses.sentence_step import load, loading_room, rank_in_sentence
 from sparsekv.segment import sentence_ids
 
 
@@ -50,6 +50,12 @@ def compressed(cache):
     return [layer for layer in cache.layers if isinstance(layer, KVLayer)]
 
 
+def ranking(cache, layer_idx: int):
+    """Layer `layer_idx`'s ranking state: views of its slice of the stack (`LayerStack.at`)."""
+    stack, rank = cache.state.find(layer_idx)
+    return stack.at(rank)
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_budget_and_memory_held_at_every_step(impl):
     model = make_model("qwen2", impl)
@@ -82,38 +88,40 @@ def test_budget_and_memory_held_at_every_step(impl):
     assert {"compress", "step"} <= set(stats.seconds)
 
 
+LAYER0 = SimpleNamespace(module=SimpleNamespace(layer_idx=0))  # what `after_step` reads of layer 0's call
+
+
 def fake_call(queries):
-    """What `on_queries` reads from an attention call: this step's queries and their validity."""
+    """What `on_queries` reads from layer 0's attention call: this step's queries and their validity."""
     valid = torch.ones(queries.shape[0], queries.shape[2], dtype=torch.bool)
-    return SimpleNamespace(queries=lambda grouped=False: queries, valid=lambda: valid)
-
-
-def fake_cache():
-    """What a press's decoding hooks read and write on the cache: counters, the forward (its sentence-end flags,
-    every input token real), no stack of layers (`plan="layer"`)."""
-    return SimpleNamespace(counts={"loaded_tokens": 0, "loads": 0, "selections": 0},
-                           forward=SimpleNamespace(plan=None, input_valid=None), state=SimpleNamespace(stack=None))
+    return SimpleNamespace(queries=lambda grouped=False: queries, valid=lambda: valid,
+                           module=SimpleNamespace(layer_idx=0))
 
 
 def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
-    """A compressed layer, 1 KV head: `loaded` slots (`fill` of them real) and a store of two 4-token sentences
-    whose mean keys are e0 and e1 (positions 100-103, 104-107)."""
+    """A compressed layer 0, 1 KV head: `loaded` slots (`fill` of them real) and a store of two 4-token sentences
+    whose mean keys are e0 and e1 (positions 100-103, 104-107); and what the press's decoding hooks read and write
+    on the cache: counters, the forward (its sentence-end flags, every input token real), the ranking state."""
     layer = p.new_layer(0)
     d, store = 4, 8
     layer.update(torch.zeros(1, 1, loaded + 12, d), torch.zeros(1, 1, loaded + 12, d))  # + 12 resident slots
-    layer.compressed, layer.state.loaded, layer.state.fill = True, loaded, torch.tensor([[[fill]]])
+    layer.compressed, layer.loaded = True, loaded
     keys = torch.zeros(1, 1, store, d)
     keys[..., :4, 0], keys[..., 4:, 1] = 1.0, 1.0  # sentence 0: direction e0, sentence 1: e1
     keys[..., 2] = torch.arange(store)  # tells the tokens apart
     layer.store_keys, layer.store_values = keys, -keys
     layer.store_positions = torch.arange(100, 100 + store)[None]
-    layer.state.slot_sentence = torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]])
-    layer.state.sentence_sizes = torch.tensor([[[4, 4]]])
-    layer.state.slot_room = loading_room(layer.state.slot_sentence, layer.state.sentence_sizes, layer.state.fill)
-    layer.state.sentence_keys = torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None]
-    layer.state.query_sum = torch.zeros(1, 1, 1, d)
-    layer.state.device_slot = torch.zeros(1, 1, store, dtype=torch.long)
-    return layer
+    state, slot_sentence, sizes = SentenceState(), torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]]), torch.tensor([[[4, 4]]])
+    state.add_layer(0, 1, query_sum=torch.zeros(1, 1, 1, d), slot_sentence=slot_sentence, sentence_sizes=sizes,
+                    slot_room=loading_room(slot_sentence, sizes, torch.tensor([[[fill]]])),
+                    sentence_keys=torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None],
+                    resident=torch.zeros(1, 1, store, dtype=torch.bool),
+                    device_slot=torch.zeros(1, 1, store, dtype=torch.long))
+    stack, rank = state.find(0)
+    load(layer, stack, rank, SentencePress.chosen(stack.at(rank)), first=True)  # as compress does: sentence 0 first
+    cache = SimpleNamespace(counts={"loaded_tokens": 0, "loads": 0, "selections": 0}, state=state,
+                            forward=SimpleNamespace(plan=None, input_valid=None))
+    return layer, cache
 
 
 @contextmanager
@@ -143,20 +151,19 @@ def loaded_positions(layer, n: int) -> list[int]:
 def test_selection_follows_the_query_and_resets_at_sentence_ends():
     """Two sentences with orthogonal mean keys: the loaded one is the one the generated sentence's mean query
     points at, and it changes once a sentence ends and the next one points elsewhere."""
-    p = press(budget=4)  # 4 loaded slots
-    layer, d = two_sentence_layer(p), 4
-    cache = fake_cache()
+    p = press(budget=4, plan="layer")  # 4 loaded slots, ranked at each query
+    (layer, cache), d = two_sentence_layer(p), 4
     toward = lambda i: torch.eye(d)[i].view(1, 1, 1, d)  # noqa: E731
     p.on_queries(cache, layer, fake_call(toward(0)))
     assert loaded_positions(layer, 4) == [100, 101, 102, 103]
-    p.after_step(cache, layer, None)
+    p.after_step(cache, layer, LAYER0)
     p.on_queries(cache, layer, fake_call(2 * toward(1)))  # the mean of e0 and 2 e1 still leans to e1
-    assert loaded_positions(layer, 4) == [104, 105, 106, 107] and cache.counts["loads"] == 2
+    assert loaded_positions(layer, 4) == [104, 105, 106, 107] and cache.counts["loads"] == 1
     p.on_queries(cache, layer, fake_call(toward(1)))  # same selection: nothing loaded
-    assert cache.counts["loads"] == 2 and cache.counts["selections"] == 3 and cache.counts["loaded_tokens"] == 8
+    assert cache.counts["loads"] == 1 and cache.counts["selections"] == 3 and cache.counts["loaded_tokens"] == 4
     cache.forward.plan = torch.tensor([True])  # the step's token ends a sentence
-    p.after_step(cache, layer, None)  # the sentence ended: a fresh mean query
-    assert not layer.state.query_sum.any()
+    p.after_step(cache, layer, LAYER0)  # the sentence ended: a fresh mean query
+    assert not ranking(cache, 0).query_sum.any()
     p.on_queries(cache, layer, fake_call(0.1 * toward(0)))
     assert loaded_positions(layer, 4) == [100, 101, 102, 103]
 
@@ -164,9 +171,8 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
 def test_only_tokens_entering_the_selection_are_copied():
     """6 loaded slots: the best sentence whole, then the other's first 2 tokens. When the query turns, the 4
     tokens kept by both selections stay in their slots; the 2 that enter take the slots of the 2 that leave."""
-    p = press(budget=6)
-    layer = two_sentence_layer(p, fill=6, loaded=6)
-    cache = fake_cache()
+    p = press(budget=6, plan="layer")
+    layer, cache = two_sentence_layer(p, fill=6, loaded=6)
     p.on_queries(cache, layer, fake_call(torch.eye(4)[0].view(1, 1, 1, 4)))
     assert loaded_positions(layer, 6) == [100, 101, 102, 103, 104, 105]
     before = layer.positions[0, 0, :6].clone()
@@ -174,13 +180,12 @@ def test_only_tokens_entering_the_selection_are_copied():
     assert loaded_positions(layer, 6) == [100, 101, 104, 105, 106, 107]
     stayed = torch.isin(before, torch.tensor([100, 101, 104, 105]))
     assert torch.equal(layer.positions[0, 0, :6][stayed], before[stayed])  # not moved
-    assert cache.counts["loaded_tokens"] == 6 + 2
+    assert cache.counts["loaded_tokens"] == 2
 
 
 def test_a_row_filling_fewer_slots_loads_its_best_tokens_and_leaves_the_filler():
-    p = press(budget=4)
-    layer = two_sentence_layer(p, fill=3)
-    cache = fake_cache()
+    p = press(budget=4, plan="layer")
+    layer, cache = two_sentence_layer(p, fill=3)
     p.on_queries(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4)))
     assert loaded_positions(layer, 3) == [104, 105, 106]  # sentence 1's first three tokens
     assert layer.positions[0, 0, 3] == 3 and not layer.keys[0, 0, 3].any()  # the filler slot is never written
@@ -211,9 +216,10 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
                                       (cos[:1, last:], sin[:1, last:]))
             per_kv_head = queries.sum(dim=2).view(1, layer.keys.shape[1], -1, queries.shape[-1])
             per_kv_head = per_kv_head.sum(dim=2, keepdim=True)
-            expected = per_kv_head if p.prompt_sentence else torch.zeros_like(layer.state.query_sum[:1])
-            torch.testing.assert_close(layer.state.query_sum[:1], expected, rtol=1e-4, atol=1e-4)
-            assert not layer.state.query_sum[1].any()
+            query_sum = ranking(cache, i).query_sum
+            expected = per_kv_head if p.prompt_sentence else torch.zeros_like(query_sum[:1])
+            torch.testing.assert_close(query_sum[:1], expected, rtol=1e-4, atol=1e-4)
+            assert not query_sum[1].any()
 
 
 @dataclass(kw_only=True)
@@ -224,12 +230,13 @@ class RankedBeforeTheQuery(SentencePress):
     plan: str = "layer"  # the per-layer path, changed here
 
     def on_queries(self, cache, layer, call):
-        state = layer.state
+        stack, rank = cache.state.find(call.module.layer_idx)
+        state = stack.at(rank)
         chosen = self.chosen(state)
         empty = (state.query_sum == 0).flatten(1).all(1)
-        load(layer, torch.where(empty[:, None, None], state.resident, chosen))
+        load(layer, stack, rank, torch.where(empty[:, None, None], state.resident, chosen))
         queries = call.queries(grouped=True).float()
-        if call.input_valid is not None:
+        if cache.forward.input_valid is not None:
             queries = queries * call.valid()[:, None, :, None]
         state.query_sum += queries.sum(dim=2, keepdim=True)
 
@@ -264,13 +271,11 @@ def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_ste
                 logits.append(out.logits[:, -1])
         runs.append((out.cache, torch.stack(logits, 1)))
     (planned, planned_logits), (reference, reference_logits) = runs
-    assert planned.state.stack is not None and reference.state.stack is None
     assert planned.stats().counts["loads"] > 0
     torch.testing.assert_close(planned_logits, reference_logits)
     for a, b in zip(compressed(planned), compressed(reference)):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
-    torch.testing.assert_close(planned.state.stack.query_sum,
-                               torch.stack([layer.state.query_sum for layer in compressed(reference)], dim=1))
+    torch.testing.assert_close(planned.state.stacks[0].query_sum, reference.state.stacks[0].query_sum)
 
 
 @pytest.mark.parametrize("plan", ["step", "layer"])
@@ -309,16 +314,50 @@ def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(pla
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.positions, b.positions)
 
 
-def test_a_step_plan_over_layers_on_several_devices_ranks_each_layer_and_says_so(caplog):
-    """Layers on two devices (a `device_map` over GPUs; here one layer's state on the meta device) are not stacked:
-    each ranks at its own query, and the `sparsekv` logger says why."""
+def test_layers_on_several_devices_are_stacked_per_device():
+    """Layers on two devices (a `device_map` over GPUs; here layer 1's ranking state on the meta device) each join
+    the stack of their device, in the order they compress, and each finds its own rank there."""
     cache = padded_prefill()
-    layer = compressed(cache)[1]
-    layer.state.resident = layer.state.resident.to("meta")
-    with caplog.at_level(logging.WARNING, logger="sparsekv"):
-        plan_step(press(budget=30), cache)
-    assert cache.state.stack is None and cache.state.per_layer
-    assert "several devices (" in caplog.text and "meta)" in caplog.text and layer.state.query_sum is not None
+    parts = {name: getattr(ranking(cache, 0), name) for name in ("query_sum", "sentence_keys", "sentence_sizes",
+                                                                 "slot_sentence", "slot_room", "resident",
+                                                                 "device_slot")}
+    state = SentenceState()
+    for i, device in enumerate(["cpu", "meta", "cpu"]):
+        state.add_layer(i, 4, **{name: t.to(device) for name, t in parts.items()})
+    assert len(state.stacks) == 2 and [stack.ranks for stack in state.stacks] == [{0: 0, 2: 1}, {1: 0}]
+    assert state.find(2) == (state.stacks[0], 1) and state.find(1) == (state.stacks[1], 0) and state.find(3) is None
+    assert state.stacks[0].query_sum.shape[1] == 2 and state.stacks[1].query_sum.device.type == "meta"
+
+
+def test_a_layer_with_more_sentences_widens_the_stack_before_its_empty_sentence():
+    """Each layer keeps its own count of sentences; stacked, every layer's are padded to the most, before its
+    empty sentence (the one of empty store slots), which stays last: ranking is unchanged."""
+    gen = torch.Generator().manual_seed(0)
+
+    def parts(s):
+        sizes = torch.randint(1, 4, (1, 1, s))
+        sizes[..., -1] = 0
+        slot_sentence = torch.repeat_interleave(torch.arange(s), sizes[0, 0])
+        slot_sentence = torch.cat([slot_sentence, torch.full((12 - len(slot_sentence),), s - 1)])[None, None]
+        fill = torch.tensor([[[4]]])
+        return dict(query_sum=torch.randn(1, 1, 1, 4, generator=gen), sentence_keys=torch.randn(1, 1, s, 4,
+                    generator=gen), sentence_sizes=sizes, slot_sentence=slot_sentence,
+                    slot_room=loading_room(slot_sentence, sizes, fill), resident=torch.zeros(1, 1, 12, dtype=bool),
+                    device_slot=torch.zeros(1, 1, 12, dtype=torch.long))
+
+    layers = [parts(3), parts(5), parts(4)]
+    state = SentenceState()
+    for i, layer in enumerate(layers):
+        state.add_layer(i, 1, **layer)
+    stack = state.stacks[0]
+    assert stack.sentence_keys.shape[:4] == (1, 3, 1, 5)
+    for i, layer in enumerate(layers):
+        s = layer["sentence_sizes"].shape[-1]
+        assert torch.equal(stack.sentence_sizes[0, i, 0, s - 1:-1], torch.zeros(5 - s, dtype=torch.long))
+        assert stack.sentence_sizes[0, i, 0, -1] == 0 and (stack.slot_sentence[:, i] < 5).all()
+        empty = layer["slot_sentence"] == s - 1
+        assert (stack.slot_sentence[:, i][empty] == 4).all()
+        assert torch.equal(SentencePress.chosen(stack.at(i)), SentencePress.chosen(SimpleNamespace(**layer)))
 
 
 def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
@@ -327,7 +366,7 @@ def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
     cache = padded_prefill()
     for layer in compressed(cache):
         for row in range(2):
-            fill = int(layer.state.fill[row])
+            fill = int(layer.valid[row, :layer.loaded].sum())
             assert fill > 0 and layer.valid[row, :fill].all()
             for head in range(layer.keys.shape[1]):
                 positions = layer.positions[row, head, :fill]
@@ -361,16 +400,17 @@ def test_sentence_vectors_come_from_the_kept_keys_relative_to_the_prompt_mean(ce
         weight = mask[:, None, :, None].float()
         mean = (plain * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True) if centre else 0.0
         keys = rotate(plain - mean, kw["position_embeddings"])
-        empty = layer.state.sentence_keys.shape[2] - 1  # the sentence of empty store slots
+        state = ranking(cache, i)
+        empty = state.sentence_keys.shape[2] - 1  # the sentence of empty store slots
         for row in range(b):
             stored = layer.store_positions[row]
-            sentence = layer.state.slot_sentence[row, 0]
+            sentence = state.slot_sentence[row, 0]
             assert len(sentence[sentence != empty].unique()) > 3
             for s_id in sentence[sentence != empty].unique().tolist():
                 at = stored[sentence == s_id]
                 kept = keys[row, :, at]
                 expected = kept.mean(1) if vector == "mean" else torch.cat([kept.amax(1), kept.amin(1)], -1)
-                torch.testing.assert_close(layer.state.sentence_keys[row, :, s_id], expected, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(state.sentence_keys[row, :, s_id], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_sentence_bound_is_the_most_any_of_its_keys_can_score():
@@ -481,15 +521,16 @@ def test_one_host_read_loads_what_two_do(seed):
     device), on a CPU with two: both leave every layer with the same working set and bookkeeping."""
     cache = padded_prefill()
     gen, moved = torch.Generator().manual_seed(seed), 0
-    for layer in compressed(cache):
-        state = layer.state
-        state.query_sum = torch.randn(state.query_sum.shape, generator=gen).to(state.query_sum.device)
-        chosen = SentencePress.chosen(layer.state)
-        twin = copy.deepcopy(layer)
-        copied = load(layer, chosen, one_read=True)
-        assert copied == load(twin, chosen, one_read=False)
+    for i, layer in enumerate(cache.layers):
+        stack, rank = cache.state.find(i)
+        state = stack.at(rank)
+        state.query_sum.copy_(torch.randn(state.query_sum.shape, generator=gen))
+        chosen = SentencePress.chosen(state)
+        twin, twin_stack = copy.deepcopy((layer, stack))
+        copied = load(layer, stack, rank, chosen, one_read=True)
+        assert copied == load(twin, twin_stack, rank, chosen, one_read=False)
         moved += copied
         for name in ("keys", "values", "positions"):
             assert torch.equal(getattr(layer, name), getattr(twin, name)), name
-        assert torch.equal(state.device_slot, twin.state.device_slot)
+        assert torch.equal(stack.device_slot, twin_stack.device_slot) and torch.equal(stack.resident, twin_stack.resident)
     assert moved > 0  # a new mean query moved tokens in and out

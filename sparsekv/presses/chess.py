@@ -15,7 +15,7 @@ from ..options import check_number
 from ..press import Press
 from ..store import StoreLayer
 from .chess_pages import (
-    CHESSState, accumulate, budget_retention, catch_up, pad_columns, plan_forward, take_back, working_context,
+    CHESSState, accumulate, budget_retention, catch_up, pad_columns, read_stores, take_back, working_context,
 )
 
 # Table 1: retention ratios (rho_g, rho_c, rho_p) of grids, chunks and pages.
@@ -201,12 +201,13 @@ class CHESSPress(Press):
         if state.page_sums is None:
             return
         take_back(self, cache, length)
-        if state.plan is not None:
-            start = cache.on("prompt_start", state.plan[0].device)
-            state.plan = self.working_context(state.selected, length - start, start)
+        if state.next_context is not None:
+            start = cache.on("prompt_start", state.next_context[0].device)
+            state.next_context = self.working_context(state.selected, length - start, start)
 
     def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
         state = cache.state
+        state.next_context = None  # the forward's layers gathered it
         if state.page_sums is None:
             return
         layer = cache.layers[next(iter(state.columns))]
@@ -227,7 +228,8 @@ class CHESSPress(Press):
                 trigger[:, None], fresh, pad_columns(state.selected, fresh.shape[1]))
             cache.counts["selections"] += int(trigger.sum())
         if reselect or not torch.equal(complete, state.built_at):
-            state.plan = self.working_context(state.selected, lengths, cache.on("prompt_start", lengths.device))
+            state.next_context = self.working_context(state.selected, lengths,
+                                                      cache.on("prompt_start", lengths.device))
             state.built_at = complete
             cache.counts["rebuilds"] += 1
 
@@ -331,12 +333,12 @@ class CHESSPress(Press):
         return working_context(self, selected, lengths, prompt_start)
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        """Hand the forward the working context planned after the last (`plan_forward`)."""
-        plan_forward(cache, forward)
+        if forward.continues_prompt and cache.state.selected is not None:  # read whole, selected for after it
+            read_stores(cache)
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if cache.forward.plan is not None:
-            layer.gather(*cache.forward.plan)
+        if cache.state.next_context is not None:  # made after the last forward (`end_forward`)
+            layer.gather(*cache.state.next_context)
 
     @torch.no_grad()
     def calibrate(self, model: torch.nn.Module, tokenizer: Any, texts: list[str], percentile: float = 99.0,

@@ -23,9 +23,9 @@ class CHESSState(RowState):
             no block; page k is blocks `k ... k + page_size / page_stride - 1` (one block when pages do not overlap).
         columns: layer index -> its rank among the compressed layers (its block of columns in `page_sums`).
         selected: `(batch, blocks)` blocks of the pages chosen by the last selection (Algorithm 1).
-        plan: `(slots, valid, all_valid)`: `(batch, n)` store slots of a new working context, which of them are
-            real, and whether all are; made after a forward for every layer of the next one (`Forward.plan`);
-            None when the context did not change.
+        next_context: `(slots, valid, all_valid)`: `(batch, n)` store slots of a new working context, which of them
+            are real, and whether all are; made after a forward, gathered by every layer of the next one; None when
+            the context did not change.
         built_at: `(batch,)` complete pages when the working context was last built (the window slides when
             a page completes), on the CPU.
         summed: store slots already added to `page_sums`; the decoded tokens after them are added when page
@@ -39,7 +39,7 @@ class CHESSState(RowState):
     page_sums: torch.Tensor | None = None
     columns: dict[int, int] = field(default_factory=dict)
     selected: torch.Tensor | None = None
-    plan: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+    next_context: tuple[torch.Tensor, torch.Tensor, bool] | None = None
     built_at: torch.Tensor | None = None
     steps: int = 0
     summed: int = 0
@@ -130,19 +130,16 @@ def working_context(press, selected: torch.Tensor, lengths: torch.Tensor, prompt
     return slots, valid, bool(valid.all())
 
 
-def plan_forward(cache, forward) -> None:
-    """The working context planned after the last forward goes to this one, for every layer (`Forward.plan`); a
-    continued prompt (a question asked of a compressed context) instead reads every token, as the first prompt did,
+def read_stores(cache) -> None:
+    """A continued prompt (a question asked of a compressed context) reads every token, as the first prompt did,
     and is selected for after it: the layers read their stores, before transformers builds the forward's mask."""
     state = cache.state
-    forward.plan, state.plan = state.plan, None  # a new working context for every layer
-    if forward.continues_prompt and state.selected is not None:
-        forward.plan = None
-        layer = cache.layers[next(iter(state.columns))]
-        start = cache.on("prompt_start", layer.device)[:, None]
-        valid = torch.arange(layer.logical_len, device=layer.device) >= start
-        for i in state.columns:
-            cache.layers[i].read_store(valid)
+    state.next_context = None
+    layer = cache.layers[next(iter(state.columns))]
+    start = cache.on("prompt_start", layer.device)[:, None]
+    valid = torch.arange(layer.logical_len, device=layer.device) >= start
+    for i in state.columns:
+        cache.layers[i].read_store(valid)
 
 
 def budget_retention(press, lengths: torch.Tensor) -> tuple:

@@ -1,10 +1,11 @@
-"""SentenceKV's per-generation state: each prompt token's sentence, each layer's sentence vectors, mean query and
-loaded slots (`SentenceLayerState`), and with `plan="step"` every layer's stacked (`LayerStack`)."""
+"""SentenceKV's per-generation state, in one home, the cache's (`cache.state`): each prompt token's sentence, and
+the ranking state of every compressed layer (sentence vectors, mean query, which store slots are loaded where),
+stacked per device (`LayerStack`) from the moment each layer compresses its prompt."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -14,96 +15,142 @@ from ..state import RowState, padded
 
 @dataclass
 class SentenceState(RowState):
-    """Per generation: each prompt token's sentence."""
+    """Per generation: each prompt token's sentence, and the compressed layers' ranking state.
 
-    sentences: torch.Tensor | None = None  # (batch, prompt) sentence index, -1 for padding
-    piece_ids: torch.Tensor | None = None  # (batch, read) a prompt read in pieces: its tokens until the last piece
-    step_ids: torch.Tensor | None = None  # (batch, q) the last forward's tokens, for `crop`
-    stack: LayerStack | None = None  # `plan="step"`: every layer's ranking state, once the layers are compressed
-    per_layer: bool = False  # `plan="step"` over layers on several devices: each layer ranks at its query
+    Attributes:
+        sentences: `(batch, prompt)` sentence index of each prompt token, -1 for padding.
+        piece_ids: `(batch, read)` a prompt read in pieces: its tokens until the last piece.
+        step_ids: `(batch, q)` the last forward's tokens, for `crop`.
+        stacks: the compressed layers' ranking state, one `LayerStack` per device (one, unless a `device_map`
+            spreads the layers over several).
+    """
+
+    sentences: torch.Tensor | None = None
+    piece_ids: torch.Tensor | None = None
+    step_ids: torch.Tensor | None = None
+    stacks: list[LayerStack] = field(default_factory=list)
+
+    def find(self, layer_idx: int) -> tuple[LayerStack, int] | None:
+        """The stack holding layer `layer_idx`'s ranking state and its rank there; None for a layer not compressed."""
+        for stack in self.stacks:
+            if layer_idx in stack.ranks:
+                return stack, stack.ranks[layer_idx]
+        return None
+
+    def add_layer(self, layer_idx: int, heads: int, **parts: torch.Tensor) -> tuple[LayerStack, int]:
+        """Add a compressed layer's ranking state (the `LayerStack.STACKED` fields, each `(batch, ...)` without the
+        layer dimension) to the stack of its device, made on the first; returns the stack and the layer's rank."""
+        device = parts["query_sum"].device
+        stack = next((s for s in self.stacks if s.query_sum.device == device), None)
+        if stack is None:
+            stack = LayerStack(heads=heads)
+            self.stacks.append(stack)
+        return stack, stack.add(layer_idx, parts)
 
 
 @dataclass
 class LayerStack(RowState):
-    """`SentencePress(plan="step")`: the ranking state of every compressed layer, stacked on dim 1 (batch first,
-    then layers), so that a step ranks and loads for all layers with one set of ops. The fields are those of
-    `SentenceLayerState` with a layer dimension; sentences are padded to the layer with the most (empty ones: no
-    tokens, never loaded). Built from the layers' states at the first forward after the prompt, which give theirs
-    up (None): from then on this is the one copy.
+    """The ranking state of the compressed layers on one device, stacked on dim 1 (batch first, then layers), so
+    that a step ranks and loads for all of them with one set of ops (`plan="step"`), and a layer reads its own
+    as a slice (`at`, `plan="layer"`). Each layer adds its own when it compresses the prompt (`add`).
+
+    A layer's sentences are numbered from 0, the ones that kept a token, and the last index is the sentence of
+    empty store slots (no tokens, never loaded). Layers keep different counts: every layer's are padded to the
+    most, before its empty sentence, which stays last. Every layer has the same store slots R (the budget sets
+    them).
+
+    Attributes:
+        ranks: layer index -> its index on dim 1, in the order the layers compressed.
+        last: the index of the last layer stacked: the step's work for every layer runs after it.
+        query_sum: `(batch, layers, kv_heads, 1, head_dim)` float32, the sum of the queries of the sentence being
+            generated (eq. 2), each GQA group's query heads together.
+        sentence_keys: `(batch, layers, kv_heads, S, head_dim)` each sentence's vector (eq. 1's mean key, or
+            `(..., 2 head_dim)` its bounds).
+        sentence_sizes: `(batch, layers, 1, S)` stored tokens of each sentence.
+        slot_sentence: `(batch, layers, kv_heads, R)` the sentence of each store slot.
+        slot_room: `(batch, layers, 1, R)` see `sentence_step.loading_room`.
+        resident: `(batch, layers, kv_heads, R)` the store slots now loaded.
+        device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot.
+        step_queries: the last forward's queries, per rank `(batch, kv_heads, q, head_dim)`, or every layer's at
+            once `(batch, layers, kv_heads, 1, head_dim)` (kept for `crop`).
+        before_reset: `query_sum` before a sentence end zeroed it, for `crop`.
+        projected, rope: `plan="step"`, a one-token step: each layer's query projection, kept as it is until the
+            last layer, and the step's RoPE matrix, to rotate them all at once (`sentence_step.add_queries`).
+        heads: query heads per layer.
     """
 
-    ranks: dict[int, int] = field(default_factory=dict)  # layer index -> its index on dim 1
-    last: int = -1  # the last stacked layer's index: the step's queries join the sums after it
-    query_sum: torch.Tensor | None = None  # (batch, layers, kv_heads, 1, head_dim)
-    sentence_keys: torch.Tensor | None = None  # (batch, layers, kv_heads, sentences, head_dim or 2 head_dim)
-    sentence_sizes: torch.Tensor | None = None  # (batch, layers, 1, sentences)
-    slot_sentence: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
-    slot_room: torch.Tensor | None = None  # (batch, layers, 1, R)
-    resident: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
-    device_slot: torch.Tensor | None = None  # (batch, layers, kv_heads, R)
-    step_queries: list | torch.Tensor = field(default_factory=list)  # per layer, the last forward's queries
-    # `(batch, kv_heads, q, d)`, or all layers' `(batch, layers, kv_heads, 1, d)` when they were added at once
-    projected: list = field(default_factory=list)  # per layer, a one-token step's query projection, until `last`
-    rope: torch.Tensor | None = None  # the RoPE matrix of those projections (the step's, shared by its layers)
-    heads: int = 0  # query heads per layer
-    before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
+    ranks: dict[int, int] = field(default_factory=dict)
+    last: int = -1
+    query_sum: torch.Tensor | None = None
+    sentence_keys: torch.Tensor | None = None
+    sentence_sizes: torch.Tensor | None = None
+    slot_sentence: torch.Tensor | None = None
+    slot_room: torch.Tensor | None = None
+    resident: torch.Tensor | None = None
+    device_slot: torch.Tensor | None = None
+    step_queries: list | torch.Tensor = field(default_factory=list)
+    before_reset: torch.Tensor | None = None
+    projected: list = field(default_factory=list)
+    rope: torch.Tensor | None = None
+    heads: int = 0
 
     shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
                                           "slot_room", "resident", "device_slot")
 
+    def add(self, layer_idx: int, parts: dict[str, torch.Tensor]) -> int:
+        """Stack one layer's `parts` after the others (its sentences, or theirs, padded to the most); its rank.
+        A layer at a time, at its compress: the stack is copied once per layer then, never while decoding."""
+        parts = {name: t.unsqueeze(1) for name, t in parts.items()}
+        rank = self.ranks[layer_idx] = len(self.ranks)
+        self.last = layer_idx
+        if self.query_sum is not None:
+            s = max(self.sentence_keys.shape[3], parts["sentence_keys"].shape[3])
+            parts = vars(widened(SimpleNamespace(**parts), s))
+            widened(self, s)
+        for name in self.STACKED:
+            mine = getattr(self, name)
+            setattr(self, name, parts[name] if mine is None else torch.cat([mine, parts[name]], dim=1))
+        self.step_queries = [None] * len(self.ranks)
+        self.projected = [None] * len(self.ranks)
+        return rank
 
-@dataclass
-class SentenceLayerState(RowState):
-    """Per layer: the sentence vectors, the mean query, and which store slots are loaded where.
-
-    The layer's working set is `[loaded | sinks + recent window + generated tokens]`: its first `loaded` slots
-    hold selected store tokens in no particular order (a row's `fill` real ones, then fillers); only tokens
-    that enter the selection are copied in.
-    """
-
-    loaded: int = 0  # slots of the loaded region
-    sentence_keys: torch.Tensor | None = None  # (batch, kv_heads, sentences, head_dim) eq. 1; (..., 2 head_dim) bounds
-    query_sum: torch.Tensor | None = None  # (batch, kv_heads, 1, head_dim): the sentence being generated
-    resident: torch.Tensor | None = None  # (batch, kv_heads, R) store slots now loaded
-    device_slot: torch.Tensor | None = None  # (batch, kv_heads, R) loaded slot of each resident one
-    fill: torch.Tensor | None = None  # (batch, 1, 1) loaded slots a row fills (the others: fillers, last)
-    slot_sentence: torch.Tensor | None = None  # (batch, kv_heads, R) sentence of each store slot
-    slot_room: torch.Tensor | None = None  # (batch, 1, R) see `loading_room`
-    sentence_sizes: torch.Tensor | None = None  # (batch, 1, S) store slots of each sentence
-    step_queries: torch.Tensor | None = None  # (batch, kv_heads, q, head_dim) the last forward's, for `crop`
-    before_reset: torch.Tensor | None = None  # query_sum before a sentence end zeroed it, for `crop`
+    def at(self, rank: int) -> SimpleNamespace:
+        """One layer's ranking state: views of its slice of each stacked tensor (writes go to the stack)."""
+        return SimpleNamespace(**{name: getattr(self, name)[:, rank] for name in self.STACKED})
 
     @classmethod
-    def joined(cls, states: list[SentenceLayerState]) -> SentenceLayerState:
-        """Rows prefilled apart, laid out as a batch prefilled together: sentences padded to the most (unused
-        ids: no tokens, never loaded) before each row's empty sentence, which stays last (`_fill_store`); store
-        slots padded to the widest (in the empty sentence, no room: never loaded); the loaded region to the
-        largest (its fillers last, `StoreLayer.filler_slot`)."""
-        if any(state.sentence_keys is None for state in states):  # kept whole: nothing to pad
-            return super().joined(states)
-        s = max(state.sentence_sizes.shape[-1] for state in states)
-        r = max(state.slot_sentence.shape[-1] for state in states)
+    def joined(cls, stacks: list[LayerStack]) -> LayerStack:
+        """Rows prefilled apart, laid out as a batch prefilled together: sentences padded to the most (before the
+        empty one, which stays last), store slots to the widest (in the empty sentence, no room: never loaded)."""
+        s = max(stack.sentence_keys.shape[3] for stack in stacks)
+        r = max(stack.slot_sentence.shape[3] for stack in stacks)
         twins = []
-        for state in states:
-            twin, empty = copy.copy(state), state.sentence_sizes.shape[-1] - 1
-            twin.loaded = max(other.loaded for other in states)
-            twin.sentence_keys = padded(state.sentence_keys, 2, s, 0, at=empty)
-            twin.sentence_sizes = padded(state.sentence_sizes, 2, s, 0, at=empty)
-            slot_sentence = state.slot_sentence.masked_fill(state.slot_sentence == empty, s - 1)
-            for name, value, fill in (("slot_sentence", slot_sentence, s - 1), ("slot_room", state.slot_room, 0),
-                                      ("resident", state.resident, False), ("device_slot", state.device_slot, 0)):
-                setattr(twin, name, padded(value, 2, r, fill))
+        for stack in stacks:
+            twin = widened(LayerStack(**vars(stack)), s)
+            for name, fill in (("slot_sentence", s - 1), ("slot_room", 0), ("resident", False), ("device_slot", 0)):
+                setattr(twin, name, padded(getattr(twin, name), 3, r, fill))
             twins.append(twin)
         return super().joined(twins)
 
 
-def end_sentence(state, closing: torch.Tensor | None) -> None:
-    """Rows `closing` `(batch,)` ended a sentence: their mean query (a layer's `query_sum`, or a stack's) starts
-    anew, and the sums before are kept for `crop`. None: no row did."""
+def widened(state, s: int):
+    """`state`'s stacked sentences (`(batch, layers, ..., S, ...)`) padded to `s` before the empty one, which
+    stays last (the store slots of the empty sentence follow it). In place; returns `state`."""
+    empty = state.sentence_keys.shape[3] - 1
+    if empty + 1 < s:
+        state.sentence_keys = padded(state.sentence_keys, 3, s, 0, at=empty)
+        state.sentence_sizes = padded(state.sentence_sizes, 3, s, 0, at=empty)
+        state.slot_sentence = state.slot_sentence.masked_fill(state.slot_sentence == empty, s - 1)
+    return state
+
+
+def end_sentence(stack: LayerStack, closing: torch.Tensor | None) -> None:
+    """Rows `closing` `(batch,)` ended a sentence: their mean query starts anew, and the sums before are kept for
+    `crop`. None: no row did."""
     if closing is not None:
-        state.before_reset = state.query_sum.clone()  # for `crop`, at sentence ends only
-        state.query_sum.masked_fill_(as_rows(closing, state.query_sum), 0.0)  # a new sentence starts
+        stack.before_reset = stack.query_sum.clone()  # for `crop`, at sentence ends only
+        stack.query_sum.masked_fill_(as_rows(closing, stack.query_sum), 0.0)  # a new sentence starts
 
 
 def as_rows(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

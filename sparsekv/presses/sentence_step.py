@@ -1,38 +1,36 @@
 """SentenceKV's executor: what copies store tokens into a layer's working set (`load`), and `plan="step"`, which
-ranks and loads every layer's sentences at once when a step begins (`plan_step`), over one stack of their states
+ranks and loads every layer's sentences at once when a step begins (`plan_step`), over the stack of their states
 (`LayerStack`). The algorithm it executes is `sparsekv.presses.sentencekv`'s."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch import nn
 
 from ..attention import rotate_projections
-from ..cache import KVLayer, SparseCache
-from ..log import logger
+from ..cache import SparseCache
 from ..store import flat_index, gather_rows, offloaded
 from .sentence_state import LayerStack
 
 
-def load(layer, chosen, one_read: bool | None = None) -> int:
-    """Make the store slots `chosen` `(b, h, R)` the loaded ones, copying only those not resident yet (one
-    gather from the store and one write per tensor, every head at once). Returns the tokens copied.
+def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bool | None = None,
+         first: bool = False) -> int:
+    """Make the store slots `chosen` `(b, h, R)` the loaded ones of the layer at `rank` in `stack`, copying only
+    those not resident yet (one gather from the store and one write per tensor, every head at once). `first`: at
+    compress, the loaded region is free and the chosen slots fill it from the front. Returns the tokens copied.
 
     Each entering token takes the device slot of one that leaves: every head holds `fill` chosen slots, so
     per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
     not care about slot order (keys carry their RoPE), so the loaded region needs none.
     """
-    resident, layer.state.resident = layer.state.resident, chosen
+    resident, device_slot = stack.resident[:, rank], stack.device_slot[:, rank]  # views: written in place
     if one_read is None:  # on a CPU a host read costs an op; on a GPU each waits for the device to drain
         one_read = chosen.device.type != "cpu"
-    if resident is None:  # at compress: the region is free, chosen slots fill it from the front
+    if first:
         row, head, slot = chosen.nonzero().unbind(-1)
         target = (chosen.cumsum(-1) - 1)[chosen]
     elif not one_read:
         row, head, slot = (chosen > resident).nonzero().unbind(-1)
-        target = layer.state.device_slot[resident > chosen]  # the slots of those that leave
+        target = device_slot[resident > chosen]  # the slots of those that leave
     else:
         # Those that enter (chosen, not resident) and those that leave, found by one `nonzero` (one read on
         # the host): as many of each per head, so the first half of its rows enters, the second leaves.
@@ -40,31 +38,27 @@ def load(layer, chosen, one_read: bool | None = None) -> int:
         n = pairs.shape[0] // 2
         _, row, head, slot = pairs[:n].unbind(-1)
         _, *leaving = pairs[n:].unbind(-1)
-        target = layer.state.device_slot[tuple(leaving)]  # the slots of those that leave
+        target = device_slot[tuple(leaving)]  # the slots of those that leave
+    resident.copy_(chosen)
     if slot.numel() == 0:  # the selection did not change: everything is resident already
         return 0
     layer.load(row, head, slot, target)
-    layer.state.device_slot[row, head, slot] = target
+    device_slot[row, head, slot] = target
     return slot.numel()
 
 
 def plan_step(press, cache: SparseCache) -> None:
-    """Rank and load every layer's sentences for the forward about to run, from the sums of the queries so far
-    (`plan="step"`); at the first forward after the prompt, stack the layers' states first."""
-    stack = cache.state.stack
-    if stack is None and not cache.state.per_layer:
-        stack = cache.state.stack = stack_layers(cache)
-    if stack is None:  # the prompt, no layer compressed (every prompt token attended), or layers apart
-        return
-    chosen = press.chosen(stack)
-    # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
-    empty = (stack.query_sum == 0).flatten(1).all(1)
-    chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
-    copied = load_all(cache, stack, chosen)
-    cache.counts["loaded_tokens"] += copied
-    cache.counts["loads"] += copied > 0
-    cache.counts["selections"] += len(stack.ranks)
-    stack.step_queries = [None] * len(stack.ranks)
+    """Rank and load every compressed layer's sentences for the forward about to run, from the sums of the
+    queries so far (`plan="step"`): one stack at a time (one per device)."""
+    for stack in cache.state.stacks:
+        chosen = press.chosen(stack)
+        # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
+        empty = (stack.query_sum == 0).flatten(1).all(1)
+        chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
+        copied = load_all(cache, stack, chosen)
+        cache.counts["loaded_tokens"] += copied
+        cache.counts["loads"] += copied > 0
+        cache.counts["selections"] += len(stack.ranks)
 
 
 def add_queries(cache: SparseCache, stack: LayerStack) -> None:
@@ -88,36 +82,6 @@ def add_queries(cache: SparseCache, stack: LayerStack) -> None:
     stack.projected, stack.rope = [None] * len(stack.projected), None
 
 
-def stack_layers(cache: SparseCache) -> LayerStack | None:
-    """The `LayerStack` of the cache's layers (None while one is not compressed); the layers' states give up
-    their ranking state to it. All have the same store width (the budget sets it). Layers on several devices
-    (a `device_map` over GPUs) are not stacked: each ranks at its query (`plan="layer"`), and the `sparsekv`
-    logger says so."""
-    indices = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
-    layers = [cache.layers[i] for i in indices]
-    if not layers or any(layer.state.resident is None for layer in layers):
-        return None
-    devices = {layer.state.resident.device for layer in layers}
-    if len(devices) > 1:
-        _ranked_per_layer(tuple(sorted(map(str, devices))))
-        cache.state.per_layer = True
-        return None
-    width = max(layer.state.sentence_keys.shape[2] for layer in layers)
-    stack = LayerStack(ranks={index: rank for rank, index in enumerate(indices)}, last=indices[-1],
-                       heads=cache.config.get_text_config(decoder=True).num_attention_heads)
-    for name in LayerStack.STACKED:
-        parts = [getattr(layer.state, name) for layer in layers]
-        if name == "sentence_keys":
-            parts = [nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in parts]
-        elif name == "sentence_sizes":
-            parts = [nn.functional.pad(t, (0, width - t.shape[2])) for t in parts]
-        setattr(stack, name, torch.stack(parts, dim=1))
-        for layer in layers:
-            setattr(layer.state, name, None)
-    stack.step_queries, stack.projected = [None] * len(layers), [None] * len(layers)
-    return stack
-
-
 def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:
     """`load` for every layer at once: the slots entering and leaving each layer's selection found by one
     `nonzero` over the stack (one read on the host; layers first, so each layer's are consecutive), then each
@@ -131,7 +95,7 @@ def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int
     _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
     target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
     stack.device_slot[row, lay, head, slot] = target
-    layers = cache.compressed_layers()
+    layers = [cache.layers[i] for i in stack.ranks]  # in rank order
     store = layers[0].store_keys  # every layer's has the same shape (the stack's)
     elsewhere = offloaded(store, row.device)
     # An offloaded store: the entering slots copied to its device once for every layer (on a GPU one wait, not
@@ -149,13 +113,6 @@ def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int
     for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
         layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
     return n
-
-
-@functools.lru_cache(maxsize=None)
-def _ranked_per_layer(devices: tuple[str, ...]) -> None:
-    """Say once per set of devices that `plan="step"` ranks each layer at its query there."""
-    logger.warning("SentencePress: the layers are on several devices (%s), so plan='step' cannot rank them at "
-                   "once; each layer ranks at its own query instead, as with plan='layer'.", ", ".join(devices))
 
 
 def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:

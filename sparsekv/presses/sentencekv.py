@@ -17,7 +17,7 @@ from ..cache import Forward, KVLayer, SparseCache
 from ..options import check_number
 from ..segment import closes_sentence, sentence_ids
 from ..store import StoreLayer
-from .sentence_state import SentenceLayerState, SentenceState, as_rows, end_sentence
+from .sentence_state import SentenceState, as_rows, end_sentence
 from .sentence_step import add_queries, load, loading_room, plan_step
 from .snapkv import SnapKVPress
 
@@ -125,7 +125,7 @@ class SentencePress(SnapKVPress):
         return max(self.window_size, self.max_sentence_tokens)
 
     def new_layer(self, layer_idx: int) -> StoreLayer:
-        return StoreLayer(self.offload_device, state=SentenceLayerState())
+        return StoreLayer(self.offload_device)
 
     def new_state(self, cache: SparseCache) -> SentenceState:
         return SentenceState()
@@ -145,6 +145,8 @@ class SentencePress(SnapKVPress):
         closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])  # on the host
         # None: no layer has work to do. Else sent to the device now, while it has little queued to wait for.
         forward.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
+        for stack in state.stacks:  # this forward's queries, kept for `crop`
+            stack.step_queries = [None] * len(stack.ranks)
         if self.plan == "step":
             plan_step(self, cache)
 
@@ -175,22 +177,27 @@ class SentencePress(SnapKVPress):
         in_store = store < n
         store = store.clamp(max=n - 1)
         shared = self._shared_keys(layer, call, valid, store) if self.centre else 0.0
-        self._fill_store(layer, store, in_store, cache.state.sentences.to(device), shared, self.sentence_vector)
+        sentence_keys, sizes, slot_sentence = self._fill_store(layer, store, in_store, cache.state.sentences.to(device),
+                                                               shared, self.sentence_vector)
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
-        layer.state.loaded = int(taus.max())
-        layer.state.fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]
-        real = torch.arange(layer.state.loaded, device=device) < layer.state.fill[:, 0]  # (b, loaded)
-        slots = torch.cat([keep.new_zeros(b, layer.state.loaded), keep], dim=1)[:, None].expand(b, h, -1)
+        layer.loaded = int(taus.max())
+        fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]  # (b, 1, 1) real loaded slots
+        real = torch.arange(layer.loaded, device=device) < fill[:, 0]  # (b, loaded)
+        slots = torch.cat([keep.new_zeros(b, layer.loaded), keep], dim=1)[:, None].expand(b, h, -1)
         layer.select(slots, torch.cat([real, real_slot & valid.gather(1, keep)], dim=1))
-        layer.state.query_sum = torch.zeros(b, h, 1, layer.keys.shape[-1], device=device, dtype=torch.float32)
+        query_sum = torch.zeros(b, h, 1, layer.keys.shape[-1], device=device, dtype=torch.float32)
         if self.prompt_sentence:
-            self._seed_queries(cache, layer, call)
-        layer.state.device_slot = torch.zeros(b, h, store.shape[1], dtype=torch.long, device=device)
-        state = layer.state
-        state.slot_room = loading_room(state.slot_sentence[:, :1], state.sentence_sizes, state.fill)
+            query_sum += self._seed_queries(cache, call, query_sum.device)
+        r = store.shape[1]
+        stack, rank = cache.state.add_layer(
+            call.module.layer_idx, cache.config.get_text_config(decoder=True).num_attention_heads,
+            query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes, slot_sentence=slot_sentence,
+            slot_room=loading_room(slot_sentence[:, :1], sizes, fill),
+            resident=torch.zeros(b, h, r, dtype=torch.bool, device=device),
+            device_slot=torch.zeros(b, h, r, dtype=torch.long, device=device))
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
-        load(layer, self.chosen(layer.state))
+        load(layer, stack, rank, self.chosen(stack.at(rank)), first=True)
 
     @staticmethod
     def _shared_keys(layer, call, valid, store):
@@ -212,8 +219,9 @@ class SentencePress(SnapKVPress):
 
     @staticmethod
     def _fill_store(layer, store, in_store, sentences, shared, vector):
-        """The prefiltered tokens' KV to the offload store; per sentence, the mean of their keys minus `shared`
-        (`vector="bounds"`: each channel's max, then its min, concatenated: `(b, h, S, 2 d)`).
+        """The prefiltered tokens' KV to the offload store; returns per sentence the mean of their keys minus
+        `shared` `(b, h, S, d)` (`vector="bounds"`: each channel's max, then its min, concatenated: `(b, h, S, 2 d)`),
+        the stored tokens of each sentence `(b, 1, S)`, and each store slot's sentence `(b, h, R)`.
 
         Only sentences that kept a token are ranked, renumbered in order: the others could take no budget, and
         on long prompts they are most of them (4 in 5 at 8k tokens, r = 2), so each step's sort and similarity
@@ -236,53 +244,49 @@ class SentencePress(SnapKVPress):
         if vector == "bounds":  # empty slots are all in the empty sentence, which is never loaded
             high = weight.new_zeros(b, h, n_sentences, d).scatter_reduce_(2, slot, centred, "amax", include_self=False)
             low = weight.new_zeros(b, h, n_sentences, d).scatter_reduce_(2, slot, centred, "amin", include_self=False)
-            layer.state.sentence_keys = torch.cat([high, low], dim=-1)
+            sentence_keys = torch.cat([high, low], dim=-1)
         else:
             sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, centred * weight)
-            layer.state.sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
-        layer.state.sentence_sizes = counts.long()[:, None]  # (b, 1, S) stored tokens of each sentence
-        layer.state.slot_sentence = bucket[:, None].expand(b, h, -1)
+            sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
         layer.fill_store(keys, values, store)
+        return sentence_keys, counts.long()[:, None], bucket[:, None].expand(b, h, -1)
 
     @staticmethod
-    def _seed_queries(cache, layer, call):
-        """Start each row's sentence query sum (eq. 2) with the queries of its prompt's last sentence when the
-        prompt ends inside that sentence: the sentence being generated began in the prompt."""
+    def _seed_queries(cache, call, device):
+        """The start of each row's sentence query sum (eq. 2) `(b, h, 1, d)`: the queries of its prompt's last
+        sentence when the prompt ends inside that sentence (the sentence being generated began in the prompt)."""
         closing = cache.forward.plan
-        sentences = cache.state.sentences.to(layer.state.query_sum.device)
+        sentences = cache.state.sentences.to(device)
         last = sentences == sentences[:, -1:]  # left padding: the last column is every row's last real token
         if closing is not None:
             last &= ~closing.to(last.device)[:, None]
         if not bool(last.any()):
-            return
+            return 0.0
         start = int(last.long().argmax(dim=1).where(last.any(dim=1), last.shape[1]).min())
         queries = call.queries(start, grouped=True).float() * last[:, None, start:, None]
-        layer.state.query_sum += queries.sum(dim=2, keepdim=True)
+        return queries.sum(dim=2, keepdim=True)
 
     # --- decoding --------------------------------------------------------------------------------------------
     def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if layer.store_keys is None:
+        found = cache.state.find(call.module.layer_idx)
+        if found is None:  # not compressed: every prompt token attended
             return
-        stack = cache.state.stack
-        if stack is not None and call.rope is not None and cache.forward.input_valid is None \
+        stack, rank = found
+        if self.plan == "step" and call.rope is not None and cache.forward.input_valid is None \
                 and query_norm(call.module) is None and (stack.rope is None or stack.rope is call.rope):
-            # `plan="step"`, one token: its projection is kept as it is, and every layer's is grouped and rotated
-            # at once after the last layer (`add_queries`): no op here.
-            stack.projected[stack.ranks[call.module.layer_idx]], stack.rope = call.projected, call.rope
+            # One token: its projection is kept as it is, and every layer's is grouped and rotated at once after
+            # the last layer (`add_queries`): no op here.
+            stack.projected[rank], stack.rope = call.projected, call.rope
             return
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if cache.forward.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
         added = queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
-        if stack is not None:  # `plan="step"`: selected and loaded when the step began; the query joins the sum
-            i = stack.ranks[call.module.layer_idx]
-            stack.query_sum.select(1, i).add_(added)  # (two ops; `[:, i] +=` takes four)
-            stack.step_queries[i], stack.before_reset = queries, None  # kept for `crop`
+        stack.query_sum.select(1, rank).add_(added)  # eq. 2 (two ops; `[:, rank] +=` takes four)
+        stack.step_queries[rank], stack.before_reset = queries, None  # kept for `crop`, no copy
+        if self.plan == "step":  # ranked and loaded when the step began, with the queries before it
             return
-        layer.state.query_sum += added
-        layer.state.step_queries, layer.state.before_reset = queries, None  # kept for `crop`, no copy
-        chosen = self.chosen(layer.state)
-        copied = load(layer, chosen)
+        copied = load(layer, stack, rank, self.chosen(stack.at(rank)))  # Algorithm 1, at this layer's query
         cache.counts["loaded_tokens"] += copied
         cache.counts["loads"] += copied > 0
         cache.counts["selections"] += 1
@@ -290,7 +294,7 @@ class SentencePress(SnapKVPress):
     @staticmethod
     def similarity(state) -> torch.Tensor:
         """`q . k_s` `(b, h, S)` of each KV head's mean query with each sentence vector (bounds: the bound), from a
-        layer's state (or `(b, layers, h, S)` from a `LayerStack`)."""
+        layer's ranking state (`LayerStack.at`), or `(b, layers, h, S)` from a whole `LayerStack`."""
         # The mean query (eq. 2), its GQA group averaged: a sum ranks the sentences alike (a positive scale).
         query, keys = state.query_sum, state.sentence_keys
         if keys.shape[-1] != query.shape[-1]:  # bounds [max | min]: q_i max_i where q_i > 0, q_i min_i elsewhere
@@ -302,7 +306,7 @@ class SentencePress(SnapKVPress):
     @classmethod
     def chosen(cls, state) -> torch.Tensor:
         """The store slots `(b, h, R)` of the best sentences for the current mean query, `fill` per head, from a
-        layer's state (or `(b, layers, h, R)` from a `LayerStack`)."""
+        layer's ranking state (`LayerStack.at`), or `(b, layers, h, R)` from a whole `LayerStack`."""
         similarity = cls.similarity(state)
         # Best sentences first, each taking its kept tokens until the budget (the last one cut): a sort over the
         # sentences, then a per-slot test against a bound fixed at prefill, never a sort over stored tokens.
@@ -312,33 +316,28 @@ class SentencePress(SnapKVPress):
         return through.gather(-1, state.slot_sentence) < state.slot_room
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        closing, state, stack = cache.forward.plan, layer.state, cache.state.stack
-        if stack is not None:  # every layer's at once, after the last
-            if call.module.layer_idx == stack.last:
-                add_queries(cache, stack)
-                end_sentence(stack, closing)
-        elif state.query_sum is not None:
-            end_sentence(state, closing)
+        found = cache.state.find(call.module.layer_idx)
+        if found is not None and call.module.layer_idx == found[0].last:  # every layer's at once, after the last
+            add_queries(cache, found[0])
+            end_sentence(found[0], cache.forward.plan)
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept
         token decides whether a sentence ends instead."""
         ids = cache.state.step_ids  # the last forward's tokens
-        layers, stack = cache.compressed_layers(), cache.state.stack
-        # `plan="step"`: the layers' sums are one tensor, cropped at once; the next step ranks with them.
-        for state in [layer.state for layer in layers] if stack is None else [stack]:
-            queries = state.step_queries  # (b, h, q, d); a plan's: a list over its layers, or stacked already
-            if stack is not None and isinstance(queries, list):
+        for stack in cache.state.stacks:  # the layers' sums are one tensor, cropped at once
+            queries = stack.step_queries  # per layer `(b, h, q, d)`, or stacked already `(b, layers, h, 1, d)`
+            if isinstance(queries, list):
                 queries = None if queries[0] is None else torch.stack(queries, dim=1)
             if queries is None:
                 continue
-            q, removed = queries.shape[-2], layers[0].logical_len - length
+            q, removed = queries.shape[-2], cache.layers[stack.last].logical_len - length
             if removed > q:
                 raise ValueError(f"SentencePress: can only crop the last forward's {q} tokens; asked for {removed}.")
-            total = state.query_sum if state.before_reset is None else state.before_reset
-            state.query_sum = total - queries[..., q - removed:, :].sum(dim=-2, keepdim=True)
+            total = stack.query_sum if stack.before_reset is None else stack.before_reset
+            stack.query_sum = total - queries[..., q - removed:, :].sum(dim=-2, keepdim=True)
             if removed < q:  # the forward's last kept token may end a sentence
                 ends = closes_sentence(self.tokenizer, ids[:, q - removed - 1])
-                state.query_sum.masked_fill_(as_rows(ends, state.query_sum), 0.0)
-            state.before_reset = None
-            state.step_queries = None if stack is None else [None] * len(stack.ranks)
+                stack.query_sum.masked_fill_(as_rows(ends, stack.query_sum), 0.0)
+            stack.before_reset = None
+            stack.step_queries = [None] * len(stack.ranks)
