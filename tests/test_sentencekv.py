@@ -335,15 +335,16 @@ def test_a_layer_with_more_sentences_widens_the_stack_before_its_empty_sentence(
     gen = torch.Generator().manual_seed(0)
 
     def parts(s):
-        sizes = torch.randint(1, 4, (1, 1, s))
+        sizes = torch.randint(1, 4, (1, 1, s), generator=gen)  # at most 12 stored tokens
         sizes[..., -1] = 0
         slot_sentence = torch.repeat_interleave(torch.arange(s), sizes[0, 0])
         slot_sentence = torch.cat([slot_sentence, torch.full((12 - len(slot_sentence),), s - 1)])[None, None]
         fill = torch.tensor([[[4]]])
-        return dict(query_sum=torch.randn(1, 1, 1, 4, generator=gen), sentence_keys=torch.randn(1, 1, s, 4,
-                    generator=gen), sentence_sizes=sizes, slot_sentence=slot_sentence,
-                    slot_room=loading_room(slot_sentence, sizes, fill), resident=torch.zeros(1, 1, 12, dtype=bool),
-                    device_slot=torch.zeros(1, 1, 12, dtype=torch.long))
+        return {"query_sum": torch.randn(1, 1, 1, 4, generator=gen),
+                "sentence_keys": torch.randn(1, 1, s, 4, generator=gen), "sentence_sizes": sizes,
+                "slot_sentence": slot_sentence, "slot_room": loading_room(slot_sentence, sizes, fill),
+                "resident": torch.zeros(1, 1, 12, dtype=torch.bool),
+                "device_slot": torch.zeros(1, 1, 12, dtype=torch.long)}
 
     layers = [parts(3), parts(5), parts(4)]
     state = SentenceState()

@@ -11,17 +11,13 @@ from tqdm.auto import tqdm
 
 from ..attention import AttentionCall
 from ..cache import Forward, KVLayer, SparseCache
-from ..options import check_number
 from ..press import Press
 from ..store import StoreLayer
+from .chess_options import PRESETS, settle_options
 from .chess_pages import (
     CHESSState, accumulate, budget_retention, catch_up, pad_columns, read_stores, take_back, working_context,
 )
 
-# Table 1: retention ratios (rho_g, rho_c, rho_p) of grids, chunks and pages.
-PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
-RESELECT = ("uncertainty", "always", "never")
-POOLING = ("mean", "max")
 
 
 def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,53 +107,7 @@ class CHESSPress(Press):
     reads_prompt_in_pieces: ClassVar[bool] = True  # it keeps every token and selects again after a continued prompt
 
     def __post_init__(self):
-        name = type(self).__name__
-        if not isinstance(self.paper, bool):
-            raise ValueError(f"{name}: paper must be True or False; got {self.paper!r}.")
-        for key, ours, papers in (("page_size", 16, 32), ("pooling", "max", "mean"), ("centre", True, False)):
-            if getattr(self, key) is None:
-                setattr(self, key, papers if self.paper else ours)
-        given = [k for k in ("preset", "ratios", "ratio", "budget") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"{name}: give exactly one of preset ({', '.join(PRESETS)}), ratios=(rho_g, rho_c, "
-                             f"rho_p), ratio (fraction of pages selected, 0 < ratio <= 1) or budget (tokens a step "
-                             f"attends); got {' and '.join(given) if given else 'none'}.")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"{name}: preset must be one of {', '.join(PRESETS)}; got {self.preset!r}.")
-        if self.ratio is not None:
-            self.ratio = check_number(name, "ratio", self.ratio, low=0, high=1, low_open=True,
-                                      unit="fraction of pages selected")
-        if self.ratios is not None:
-            if not (isinstance(self.ratios, (tuple, list)) and len(self.ratios) == 3):
-                raise ValueError(f"{name}: ratios must be three fractions (rho_g, rho_c, rho_p), each in (0, 1]; "
-                                 f"got {self.ratios!r}.")
-            self.ratios = tuple(check_number(name, f"ratios[{i}]", r, low=0, high=1, low_open=True)
-                                for i, r in enumerate(self.ratios))
-        for key, low in (("page_size", 1), ("chunk_pages", 1), ("grid_chunks", 1), ("sink_pages", 0),
-                         ("window_pages", 1)):
-            setattr(self, key, check_number(name, key, getattr(self, key), integer=True, low=low))
-        if self.budget is not None:  # at least the pages always attended: sinks, window and the partial page
-            least = (self.sink_pages + self.window_pages + 1) * self.page_size
-            self.budget = check_number(name, "budget", self.budget, integer=True, low=least,
-                                       unit=f"tokens a step attends; (sink_pages + window_pages + 1) * page_size = "
-                                            f"{least} are always attended")
-        if self.page_stride is None:
-            self.page_stride = self.page_size if self.paper or self.page_size % 2 else self.page_size // 2
-        self.page_stride = check_number(name, "page_stride", self.page_stride, integer=True, low=1,
-                                        high=self.page_size, unit="tokens")
-        if self.page_size % self.page_stride:
-            raise ValueError(f"{name}: page_stride must divide page_size ({self.page_size}); got {self.page_stride}.")
-        for key in ("pre_rope", "centre"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{name}: {key} must be True or False; got {getattr(self, key)!r}.")
-        for key, allowed in (("pooling", POOLING), ("reselect", RESELECT)):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{name}: {key} must be one of {', '.join(allowed)}; got {getattr(self, key)!r}.")
-        if self.reselect_every is not None:
-            self.reselect_every = check_number(name, "reselect_every", self.reselect_every, integer=True, low=1,
-                                               unit="decoding steps")
-        for key, unit in (("entropy_threshold", "nats"), ("varentropy_threshold", "nats^2")):
-            setattr(self, key, check_number(name, key, getattr(self, key), low=0, unit=unit))
+        settle_options(self)
 
     @property
     def retention(self) -> tuple[float, float, float]:
