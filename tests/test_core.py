@@ -451,7 +451,7 @@ def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
 def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
     """A decoding step's victims, found for every layer at once from their stacked scores at the last layer, are
     each layer's own: the same tokens and logits as evicting every layer after its attention, with padding too."""
-    from sparsekv.presses.h2o import H2OPress as Press_
+    from sparsekv.presses import h2o_step
 
     model = make_model("qwen2")
     ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
@@ -461,19 +461,19 @@ def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
             return greedy(model, ids, mask, new=20, output_logits=True, return_dict_in_generate=True)
 
     stacked = []
-    evict_together = Press_.evict_together
-    monkeypatch.setattr(Press_, "evict_together", lambda self, plan: stacked.append(len(plan.waiting)) or
-                        evict_together(self, plan))
+    evict_together = h2o_step.evict_together
+    monkeypatch.setattr(h2o_step, "evict_together", lambda press, step: stacked.append(len(step.waiting)) or
+                        evict_together(press, step))
     together = run()
     assert stacked and set(stacked) == {len(compressed_layers(together.cache))}  # every layer waited, each step
 
-    def one_by_one(self, plan):
-        for layer in plan.waiting:
-            scores = self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, plan.start)
-            layer.evict(self.lowest_real(scores, None if layer.all_valid else layer.valid, plan.budgets))
-        plan.waiting = []
+    def one_by_one(press, step):
+        for layer in step.waiting:
+            scores = press.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, step.start)
+            layer.evict(press.lowest_real(scores, None if layer.all_valid else layer.valid, step.budgets))
+        step.waiting = []
 
-    monkeypatch.setattr(Press_, "evict_together", one_by_one)
+    monkeypatch.setattr(h2o_step, "evict_together", one_by_one)
     alone = run()
     assert torch.equal(together.sequences, alone.sequences)
     torch.testing.assert_close(torch.stack(together.logits), torch.stack(alone.logits), rtol=0, atol=0)

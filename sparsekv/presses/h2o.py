@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall, attention_probs, query_norm, rotate_projections
-from ..buffers import victim_indices
+from ..attention import AttentionCall
 from ..cache import Forward, KVLayer, SparseCache
 from ..options import check_number
 from ..press import Press
+from . import h2o_step
 
 
 @dataclass(kw_only=True)
@@ -24,9 +24,7 @@ class H2OPress(Press):
     decoding step, so it never holds more than the budget after a step (paper sec. 4, Algorithm 1).
 
     The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix); decoding
-    uses the step's attention weights (eager) or recomputes the one query's row (sdpa, flash), and finds every
-    layer's victim at once, after the last layer; there too the rows are recomputed, every layer's query rotated
-    in one product (`add_deferred`).
+    uses the step's attention weights (eager) or recomputes the one query's row (sdpa, flash).
 
     Args:
         ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1], held while decoding; at least 1
@@ -57,12 +55,7 @@ class H2OPress(Press):
         return (length - recent)[:, None, None]
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        """A decoding step: the recent window's start and the budget, found once for every layer (all layers see
-        the same tokens), and the list of layers whose eviction waits for the last one (`after_step`)."""
-        layers = cache.compressed_layers()
-        if cache.budgets is not None and layers:
-            start = self.recent_start(cache, layers[0].logical_len + forward.q_len, layers[0].device)
-            forward.plan = _Step(start, cache.largest_budget, layers[-1], cache.on("budgets", layers[0].device))
+        h2o_step.plan(self, cache, forward)
 
     @staticmethod
     def heavy_scores(received: torch.Tensor, positions: torch.Tensor, length: int,
@@ -116,42 +109,13 @@ class H2OPress(Press):
         layer.extra["received"] = self.received(layer, call)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        plan = cache.forward.plan
-        if self.ratio != 1.0:  # (ratio=1.0 keeps everything)
-            if cache.forward.q_len == 1 and layer.slots == plan.budget + 1:
-                plan.waiting.append(layer)  # one victim to find: with the other layers', at the last layer
-                if not self._defer(plan, layer, call, cache.forward):
-                    self.add_received(cache, layer, call)
-            else:
-                self.add_received(cache, layer, call)
-                self.hold_budget(cache, layer, self.layer_scores(cache, layer))
-        if layer is plan.last and plan.waiting:
-            self.add_deferred(plan)
-            self.evict_together(plan)
-
-    @staticmethod
-    def _defer(plan: _Step, layer: KVLayer, call: AttentionCall, forward: Forward) -> bool:
-        """Keep a one-token step's query projection for `add_deferred` (its attention row is needed only for the
-        victim found after the last layer), when its row needs no mask and its RoPE is the step's shared matrix."""
-        if call.weights is not None or call.scaled_rope is None or forward.input_valid is not None or \
-                not layer.all_valid or query_norm(call.module) is not None or \
-                plan.deferred and plan.deferred[0][1].scaled_rope is not call.scaled_rope:
-            return False
-        plan.deferred.append((layer, call))
-        return True
-
-    def add_deferred(self, plan: _Step) -> None:
-        """The attention rows of the layers `_defer` kept: every layer's query rotated and scaled in one product
-        with the step's RoPE matrix (three ops a layer before), then each layer's row over its own keys."""
-        if not plan.deferred:
-            return
-        layers, calls = zip(*plan.deferred)
-        module = calls[0].module
-        channels = module.config.num_attention_heads * module.head_dim
-        queries = rotate_projections([call.projected for call in calls], calls[0].scaled_rope, channels)
-        for layer, q in zip(layers, queries.unbind(1)):  # each (b, heads, 1, d)
-            layer.extra["received"] += attention_probs(module, q, layer.keys, None).sum(dim=(2, 3))
-        plan.deferred = []
+        """Algorithm 1 at a decoding step: the attention the step's queries give every slot joins what each
+        received, and a row over its budget evicts its lowest-scored tokens. A one-token step on a full cache
+        does both for every layer at once, after the last (`h2o_step`)."""
+        if self.ratio != 1.0 and not h2o_step.waits(self, cache, layer, call):  # (ratio=1.0 keeps everything)
+            self.add_received(cache, layer, call)
+            self.hold_budget(cache, layer, self.layer_scores(cache, layer))
+        h2o_step.finish(self, cache, layer)
 
     def add_received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Add the attention the step's queries gave every slot (summed over each KV head's query heads)."""
@@ -166,41 +130,3 @@ class H2OPress(Press):
             visible = layer.valid[:, None, :] & (torch.arange(layer.slots, device=new.device) <= new[:, None])
             received = call.probs(layer.keys, visible).sum(dim=(2, 3))
         layer.extra["received"] += received
-
-    def evict_together(self, plan: _Step) -> None:
-        """Every waiting layer's victim of this step from their stacked scores: the same few ops once per step
-        instead of once per layer (their sizes are tiny, their count is the cost). Layers on different devices
-        or holding different slot counts are stacked apart. The stacks are copies: each layer keeps its own."""
-        groups: dict[tuple, list[KVLayer]] = {}
-        for layer in plan.waiting:
-            groups.setdefault((layer.device, layer.slots), []).append(layer)
-        for layers in groups.values():
-            positions = torch.stack([layer.positions for layer in layers])
-            scores = self.heavy_scores(torch.stack([layer.extra["received"] for layer in layers]), positions,
-                                       layers[0].logical_len, plan.start.to(positions.device))
-            valid = None if all(layer.all_valid for layer in layers) else torch.stack([layer.valid for layer in layers])
-            budgets = None if valid is None else plan.budgets.to(positions.device)
-            victims = self.lowest_real(scores, valid, budgets)
-            slots, index = victim_indices(victims, layers[0].keys.shape[-1])  # every layer's, in one go
-            for layer, victim, slot, idx in zip(layers, victims.unbind(), slots.unbind(), index.unbind()):
-                layer.evict(victim, (slot, idx))
-        plan.waiting = []
-
-
-@dataclass
-class _Step:
-    """One decoding step's plan, shared by the layers of its forward.
-
-    Attributes:
-        start: `(batch, 1, 1)` first position of each row's recent window.
-        budget: the largest row budget: a layer holding one slot more evicts one token per row and head.
-        last: the forward's last compressed layer, which evicts for the layers waiting in `waiting`.
-        budgets: `(batch,)` each row's budget (a row holding fewer real tokens fills a filler slot instead).
-    """
-
-    start: torch.Tensor
-    budget: int
-    last: KVLayer
-    budgets: torch.Tensor
-    waiting: list[KVLayer] = field(default_factory=list)
-    deferred: list[tuple[KVLayer, AttentionCall]] = field(default_factory=list)  # rows for `add_deferred`
