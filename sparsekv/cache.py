@@ -8,8 +8,8 @@ per-row prompt lengths and budgets, the press's state (`state`) and, while a for
 The order of events of one model forward, in one place (the hooks call these methods, `Prefill` calls the same):
 
 1. `begin_forward`: a new `Forward` (its token ids, which tokens are real); at the first forward, each row's
-   prompt length and start; the press's `begin_forward` (e.g. SentenceKV segments the prompt, CHESS hands its
-   new working context to every layer as the forward's `plan`).
+   prompt length and start; the press's `begin_forward` (e.g. SentenceKV segments the prompt, or ranks every
+   layer's sentences for a step, and leaves the rows that close a sentence in the forward's `plan`).
 2. For each compressed layer, `before_layer`, before its attention: the press's `before_attention` (CHESS
    gathers the planned working set), then the mask for the layer's physical layout.
 3. `after_queries`, once the layer projected its queries (forwards after the prompt, presses that read them):
@@ -55,9 +55,9 @@ class Forward:
         input_valid: `(batch, q)` which input tokens are real; None when all are (the common, fast case).
         q_len: tokens in this forward.
         calls: per layer index, the attention call under way (from `before_layer` to `after_layer`).
-        plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g. CHESS's
-            working-context slots, SentenceKV's sentence-closing flags) or by the first layer that needs it
-            (StreamingLLM's victim slots); None when it has none.
+        plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g. H2O's
+            recent window, SentenceKV's sentence-closing flags) or by the first layer that needs it
+            (StreamingLLM's victim slots); None when it has none. Gone with the forward.
         continues_prompt: several new tokens after the first forward that are not a draft being verified: a
             prompt continued (generate on a cache that holds part of its input, a question asked of a
             compressed context, a caller's own multi-token forward).
