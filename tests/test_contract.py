@@ -39,9 +39,12 @@ def kind(node: ast.AST) -> str | None:
 
 
 def names_read(source: str) -> set[str]:
-    """`object.name` for every core name `source` reads, and `Press.name` for every inherited helper it calls."""
+    """`object.name` for every core name `source` reads, `Press.name` for every inherited helper it calls, and
+    `sparsekv.module.name` for every name it imports from the core (a module of `sparsekv` outside `presses`)."""
     found = set()
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 2 and not (node.module or "").startswith("presses"):
+            found |= {f"sparsekv.{node.module + '.' if node.module else ''}{alias.name}" for alias in node.names}
         if not isinstance(node, ast.Attribute):
             continue
         if kind(node.value):
@@ -60,6 +63,7 @@ def documented() -> set[str]:
     page = (ROOT / "docs" / "writing-a-press.md").read_text()
     section = page.split("## What a press reads of the core", 1)[1].split("\n## ", 1)[0]
     names = {f"{obj}.{name}" for obj, name in re.findall(r"`(cache|layer|call|forward)\.(\w+)", section)}
+    names |= {f"sparsekv.{name}" for name in re.findall(r"`sparsekv\.(\w+\.\w+)`", section)}
     return names | {f"Press.{name}" for name in re.findall(r"`(?:self|Press)\.(\w+)", section)}
 
 
@@ -80,8 +84,11 @@ def test_every_name_a_press_reads_is_documented_and_every_documented_name_is_rea
      {"cache.layers", "cache.compressed_layers", "layer.store_keys", "layer.slots"}),
     ("def f(self, cache, layer, s):\n    self.hold_budget(cache, layer, s)\n    self.window_size\n",
      {"Press.hold_budget"}),
+    ("from ..attention import rotate, query_norm\nfrom .snapkv import SnapKVPress\nfrom ..presses import x\n",
+     {"sparsekv.attention.rotate", "sparsekv.attention.query_norm"}),
 ])
 def test_the_scan_sees_the_names_a_press_reads(source, expected):
     """The scan that guards the list finds a name however a press reaches it (through the forward, a layer
-    taken from the cache, an inherited helper), and not a press's own option."""
+    taken from the cache, an inherited helper, an import from the core), and not a press's own option or another
+    press's module."""
     assert names_read(source) == expected

@@ -10,7 +10,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..attention import AttentionCall
-from ..cache import Forward, KVLayer, SparseCache
+from ..cache import Forward, SparseCache
+from ..layers import KVLayer
 from ..press import Press
 from ..store import StoreLayer
 from .chess_options import PRESETS, settle_options

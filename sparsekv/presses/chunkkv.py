@@ -9,7 +9,8 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall
-from ..cache import KVLayer, SparseCache
+from ..cache import SparseCache
+from ..layers import KVLayer
 from ..options import check_number
 from ..state import RowState
 from .snapkv import SnapKVPress

@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall
-from ..cache import Forward, KVLayer, SparseCache
+from ..cache import Forward, SparseCache
+from ..layers import KVLayer
 from ..options import check_number
 from ..press import Press
 from . import h2o_step

@@ -12,7 +12,8 @@ import torch
 
 from ..attention import AttentionCall, attention_probs, query_norm, rotate_projections
 from ..buffers import victim_indices
-from ..cache import Forward, KVLayer, SparseCache
+from ..cache import Forward, SparseCache
+from ..layers import KVLayer
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..attention import AttentionCall, query_norm, rotate
-from ..cache import Forward, KVLayer, SparseCache
+from ..cache import Forward, SparseCache
+from ..layers import KVLayer
 from ..options import check_number
 from ..segment import closes_sentence, sentence_ids
 from ..store import StoreLayer

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionCall
-from ..cache import KVLayer, SparseCache
+from ..cache import SparseCache
+from ..layers import KVLayer
 from ..options import check_number
 from ..press import ScorerPress
 

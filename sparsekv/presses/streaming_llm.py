@@ -9,7 +9,8 @@ import torch
 
 from ..attention import AttentionCall
 from ..buffers import victim_indices
-from ..cache import KVLayer, SparseCache
+from ..cache import SparseCache
+from ..layers import KVLayer
 from ..options import check_number
 from ..press import Press
 
