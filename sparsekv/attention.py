@@ -3,7 +3,8 @@
 sdpa and flash attention never materialise attention weights, and queries are not cached, so presses rebuild
 the queries of the tokens they care about from the layer's input and recompute only those rows of attention.
 Works on any transformers attention module with `q_proj` (or fused `qkv_proj`), optional `q_norm`, and RoPE
-given as `position_embeddings`: Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma3.
+given as `position_embeddings`: Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma3. A one-token step rotates its queries
+with one matrix product (`rope_matrix`), made once for every layer of the step (`StepRope`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,37 @@ def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
     # through an index tensor waits for the device).
     turn = _rotate_half(torch.eye(head_dim, dtype=cos.dtype, device=cos.device))
     return torch.diag_embed(cos) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
+
+
+class StepRope:
+    """A one-token forward's RoPE matrices (`rope_matrix`), plain and times attention's scaling, and their tiles
+    (`tile_rope`), made by the forward's first layer and shared by the others: they get the same `(cos, sin)`
+    (a layer given other ones, or another head size or scaling, gets its own). One per `Forward`."""
+
+    def __init__(self):
+        self.key: tuple | None = None  # `(cos, head_dim, scaling)` the matrices were made for
+        self.made: tuple = (None, None)  # `(plain, scaled)`
+        self.tiles: dict = {}
+
+    def matrices(self, position_embeddings, head_dim: int, scaling: float) -> tuple:
+        """`(plain, scaled)` for these position embeddings; `(None, None)` for a layer without them."""
+        if position_embeddings is None:  # a layer without position embeddings: queries rotate as they are
+            return None, None
+        cos = position_embeddings[0]
+        if self.key is None or self.key[0] is not cos or self.key[1:] != (head_dim, scaling):
+            plain = rope_matrix(position_embeddings, head_dim)
+            if plain is not None and plain.shape[0] == 1:  # one position for every row: viewed once, not per layer
+                plain = plain.view(head_dim, head_dim)
+            scaled = None if plain is None else plain * scaling
+            self.key, self.made, self.tiles = (cos, head_dim, scaling), (plain, scaled), {}
+        return self.made
+
+    def tiled(self, matrix: torch.Tensor, group: int) -> torch.Tensor:
+        """`tile_rope(matrix, group)` of one of these matrices, made by the first layer that asks."""
+        key = (id(matrix), group)
+        if key not in self.tiles:  # the matrix is held by `made` for as long as its tiles are
+            self.tiles[key] = tile_rope(matrix, group)
+        return self.tiles[key]
 
 
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:

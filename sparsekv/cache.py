@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
-from .attention import AttentionCall, rope_matrix, tile_rope
+from .attention import AttentionCall, StepRope
 from .join import join_caches
 from .layers import KVLayer
 from .pieces import PromptPieces
@@ -61,6 +61,7 @@ class Forward:
         continues_prompt: several new tokens after the first forward that are not a draft being verified: a
             prompt continued (generate on a cache that holds part of its input, a question asked of a
             compressed context, a caller's own multi-token forward).
+        rope: a one-token step's RoPE matrices (`attention.StepRope`), made by its first layer for all of them.
     """
 
     input_ids: torch.Tensor | None
@@ -69,32 +70,8 @@ class Forward:
     continues_prompt: bool = False
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
-    rope: tuple | None = None  # `(cos, head_dim, scaling, matrices)`: the step's RoPE, made once for its layers
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
-    tiles: dict = field(default_factory=dict)  # `tiled`'s, for the matrices of `rope`
-
-    def rope_matrices(self, position_embeddings, head_dim: int, scaling: float) -> tuple:
-        """`attention.rope_matrix` of this forward's one token, plain and times `scaling`, made by its first
-        layer and shared by the others (they get the same `(cos, sin)`; a layer given other ones, or another
-        head size or scaling, gets its own)."""
-        if position_embeddings is None:  # a layer without position embeddings: queries rotate as they are
-            return None, None
-        cos = position_embeddings[0]
-        if self.rope is None or self.rope[0] is not cos or self.rope[1:3] != (head_dim, scaling):
-            plain = rope_matrix(position_embeddings, head_dim)
-            if plain is not None and plain.shape[0] == 1:  # one position for every row: viewed once, not per layer
-                plain = plain.view(head_dim, head_dim)
-            scaled = None if plain is None else plain * scaling
-            self.rope = (cos, head_dim, scaling, (plain, scaled))
-            self.tiles = {}
-        return self.rope[3]
-
-    def tiled(self, matrix: torch.Tensor, group: int) -> torch.Tensor:
-        """`tile_rope(matrix, group)` of one of this forward's matrices, made by its first layer that asks."""
-        key = (id(matrix), group)
-        if key not in self.tiles:  # the matrix is held by `rope` for as long as its tiles are
-            self.tiles[key] = tile_rope(matrix, group)
-        return self.tiles[key]
+    rope: StepRope = field(default_factory=StepRope)  # a one-token step's RoPE matrices, shared by its layers
 
 
 class SparseCache(RowState, Cache):
@@ -225,8 +202,8 @@ class SparseCache(RowState, Cache):
                                                                forward.input_valid)
         call.capture = self.press.captures_step_queries and layer.logical_len > 0  # after the prompt
         if call.capture and forward.q_len == 1:
-            call.rope, call.scaled_rope = forward.rope_matrices(position_embeddings, module.head_dim, module.scaling)
-            call.tile = forward.tiled
+            call.rope, call.scaled_rope = forward.rope.matrices(position_embeddings, module.head_dim, module.scaling)
+            call.tile = forward.rope.tiled
         if self.press.selects_before_attention:
             self.press.before_attention(self, layer, call)
         if not layer.compressed:

@@ -387,7 +387,7 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
         torch.testing.assert_close(shape_queries(module, projected, cos_sin, grouped, matrix),
                                    shape_queries(module, projected, cos_sin, grouped), rtol=1e-5, atol=1e-5)
     # The step's matrices, plain and times attention's scaling (as attention's logits use the queries).
-    plain, scaled = Forward(None, None, 1).rope_matrices(cos_sin, module.head_dim, module.scaling)
+    plain, scaled = Forward(None, None, 1).rope.matrices(cos_sin, module.head_dim, module.scaling)
     torch.testing.assert_close(plain, matrix)
     torch.testing.assert_close(shape_queries(module, projected, cos_sin, False, scaled),
                                shape_queries(module, projected, cos_sin) * module.scaling, rtol=1e-5, atol=1e-5)
@@ -395,7 +395,7 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     shared = model.model.rotary_emb(hidden, positions[:1])
     torch.testing.assert_close(shape_queries(module, projected, shared, False, rope_matrix(shared, module.head_dim)),
                                shape_queries(module, projected, shared), rtol=1e-5, atol=1e-5)
-    plain, _ = Forward(None, None, 1).rope_matrices(shared, module.head_dim, module.scaling)
+    plain, _ = Forward(None, None, 1).rope.matrices(shared, module.head_dim, module.scaling)
     assert plain.shape == (module.head_dim, module.head_dim)  # the step's layers share it as a plain (d, d)
     for grouped in (False, True):
         torch.testing.assert_close(shape_queries(module, projected, shared, grouped, plain),
@@ -405,9 +405,9 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
     assert group > 1
     for pe in (shared, cos_sin):
         forward = Forward(None, None, 1)
-        step, _ = forward.rope_matrices(pe, module.head_dim, module.scaling)
-        tiled = forward.tiled(step, group)
-        assert tiled is forward.tiled(step, group) and tiled.shape[-2:] == (group * module.head_dim, module.head_dim)
+        step, _ = forward.rope.matrices(pe, module.head_dim, module.scaling)
+        tiled = forward.rope.tiled(step, group)
+        assert tiled is forward.rope.tiled(step, group) and tiled.shape[-2:] == (group * module.head_dim, module.head_dim)
         torch.testing.assert_close(shape_queries(module, projected, pe, True, tiled),
                                    shape_queries(module, projected, pe, True), rtol=1e-5, atol=1e-5)
     phi3 = make_model("phi3")

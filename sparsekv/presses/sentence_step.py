@@ -69,7 +69,7 @@ def add_queries(cache: SparseCache, stack: LayerStack) -> None:
     if not kept:
         return
     kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
-    matrix = cache.forward.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
+    matrix = cache.forward.rope.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
     queries = rotate_projections([stack.projected[i] for i in kept], matrix, heads * d).float()
     if len(kept) == len(stack.projected):  # every layer's (the common case)
         stack.query_sum += queries
