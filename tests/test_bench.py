@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from sparsekv import bench, make_press
 from sparsekv.bench import Setting, medians, plan, run_bench, slope_per_1k, step_latencies, summarize
+from sparsekv.bench.timing import _release_memory
 from sparsekv.cli import main
 from sparsekv.evaluation.tasks import INTRO, NOISE
 from sparsekv.evaluation.words import WORDS as KEYS
@@ -113,9 +114,12 @@ def test_medians_slope_uses_the_median_curve():
 
 
 def test_peak_rss_sees_an_allocation():
+    # Earlier tests' garbage freed first (as a run does): collected inside the block, it would lower the RSS by
+    # as much as the allocation raises it.
+    _release_memory()
     with bench.PeakRSS(interval=0.001) as rss:
-        block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched, held long enough for a few samples, then freed
-        time.sleep(0.02)
+        block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched, held long enough for many samples, then freed
+        time.sleep(0.05)
         del block
     assert rss.peak_mb > 48
 
