@@ -38,13 +38,27 @@ def kind(node: ast.AST) -> str | None:
     return None
 
 
+def core_module(node: ast.ImportFrom) -> str | None:
+    """The core module an import in a press file reads (`from ..attention import`, `from sparsekv.attention
+    import`, `from .. import`), as `sparsekv.attention`; None for another press's module or a third party's."""
+    if node.level == 2:
+        module = "sparsekv" + (f".{node.module}" if node.module else "")
+    elif node.level == 0 and (node.module or "").split(".")[0] == "sparsekv":
+        module = node.module
+    else:
+        return None
+    return None if module.startswith("sparsekv.presses") else module
+
+
 def names_read(source: str) -> set[str]:
     """`object.name` for every core name `source` reads, `Press.name` for every inherited helper it calls, and
     `sparsekv.module.name` for every name it imports from the core (a module of `sparsekv` outside `presses`)."""
     found = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 2 and not (node.module or "").startswith("presses"):
-            found |= {f"sparsekv.{node.module + '.' if node.module else ''}{alias.name}" for alias in node.names}
+        if isinstance(node, ast.ImportFrom):
+            module = core_module(node)
+            if module is not None:
+                found |= {f"{module}.{alias.name}" for alias in node.names}
         if not isinstance(node, ast.Attribute):
             continue
         if kind(node.value):
@@ -84,8 +98,9 @@ def test_every_name_a_press_reads_is_documented_and_every_documented_name_is_rea
      {"cache.layers", "cache.compressed_layers", "layer.store_keys", "layer.slots"}),
     ("def f(self, cache, layer, s):\n    self.hold_budget(cache, layer, s)\n    self.window_size\n",
      {"Press.hold_budget"}),
-    ("from ..attention import rotate, query_norm\nfrom .snapkv import SnapKVPress\nfrom ..presses import x\n",
-     {"sparsekv.attention.rotate", "sparsekv.attention.query_norm"}),
+    (("from ..attention import rotate, query_norm\nfrom .snapkv import SnapKVPress\nfrom ..presses import x\n"
+      "from sparsekv.store import offloaded\nfrom sparsekv.presses.h2o import H2OPress\nfrom torch import nn\n"),
+     {"sparsekv.attention.rotate", "sparsekv.attention.query_norm", "sparsekv.store.offloaded"}),
 ])
 def test_the_scan_sees_the_names_a_press_reads(source, expected):
     """The scan that guards the list finds a name however a press reaches it (through the forward, a layer
