@@ -195,6 +195,10 @@ class KVLayer(RowState, CacheLayerMixin):
         """Where a joined row's filler slots go (`joined`): first, where `keep` puts those of a smaller budget."""
         return 0
 
+    def fillers_added(self, count: int) -> None:
+        """`count` filler slots went in at `filler_slot` (a row padded to join a batch, `padded_to_widest`): a
+        layout that counts the slots of the region holding them grows with it. None here."""
+
     # --- transformers' CacheLayerMixin API ----------------------------------------------------------------------
     def get_seq_length(self) -> int:
         """Tokens seen (not held): new tokens get their absolute positions from it."""
@@ -293,6 +297,7 @@ def padded_to_widest(layers: list) -> list:
             keys=grown(layer.keys, 0), values=grown(layer.values, 0), positions=grown(layer.positions, 0),
             valid=grown(layer.valid, False), extra={n: grown(t, 0) for n, t in layer.extra.items()},
             compressed=compressed, all_valid=all_valid, _views=None)
+        twin.fillers_added(slots - layer.slots)
         copies.append(twin)
     return copies
 

@@ -35,9 +35,9 @@ from typing import ClassVar
 import torch
 
 from .attention import AttentionCall
-from .cache import Forward, KVLayer, SparseCache
+from .cache import Forward, SparseCache
 from .hooks import install
-from .layers import lowest_real
+from .layers import KVLayer, lowest_real
 from .log import say_once
 from .options import check_arguments, check_number
 from .state import RowState

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from .layers import KVLayer, padded_to_widest
+from .layers import KVLayer
 from .state import padded
 
 
@@ -51,10 +51,7 @@ class StoreLayer(KVLayer):
             twin.store_positions = padded(layer.store_positions, 1, r, layer.logical_len - 1)
             twin.store_keys = twin.store_values = None  # joined below, straight into (pinned) memory
             copies.append(twin)
-        copies = padded_to_widest(copies)
-        for twin in copies:  # each row's loaded region padded to the largest (its fillers last)
-            twin.loaded = max(layer.loaded for layer in layers)
-        out = super(KVLayer, cls).joined(copies)  # `RowState.joined`: the rows are laid out alike now
+        out = super().joined(copies)
         out.store_keys, out.store_values = (_joined_store([getattr(layer, name) for layer in layers], r)
                                             for name in ("store_keys", "store_values"))
         return out
@@ -63,6 +60,10 @@ class StoreLayer(KVLayer):
         """A working set may begin with a region loaded from the store (`loaded` slots, SentenceKV's), whose
         fillers come last within it: a joined row's go there too."""
         return self.loaded
+
+    def fillers_added(self, count: int) -> None:
+        if self.loaded:  # they went in at the loaded region's end: it holds them now
+            self.loaded += count
 
     def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False):
         super().__init__()

@@ -20,7 +20,6 @@ from .chess_pages import (
 )
 
 
-
 def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and varentropy (nats, nats^2) of the next-token distributions `logits` `(..., vocab)`."""
     logp = logits.float().log_softmax(dim=-1)
