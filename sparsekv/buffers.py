@@ -1,10 +1,18 @@
-"""Growable buffers for a layer's per-slot tensors: new slots written in place into room behind a tensor, a
-buffer with `GROW` free slots made when there is none, so that decoding copies a layer's KV once every `GROW`
-steps instead of at every step (as `torch.cat` does)."""
+"""The speed machinery of a layer's per-slot tensors, apart from what the layer holds (`sparsekv.layers`).
+
+Growable buffers: new slots written in place into room behind a tensor, a buffer with `GROW` free slots made when
+there is none, so that decoding copies a layer's KV once every `GROW` steps instead of at every step (as
+`torch.cat` does). Step views (`StepViews`): an evicting layer's views of those buffers, made once, so that its
+steps write and scatter without making any."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # (layers import these buffers)
+    from .layers import KVLayer
 
 # Free slots added when a layer's buffers are full: decoding copies its KV once every GROW steps (a page of CHESS).
 GROW = 32
@@ -88,3 +96,66 @@ def victim_indices(victim: torch.Tensor, width: int) -> tuple[torch.Tensor, torc
     layers at once (stacked victims), in the same few ops as for one."""
     slot = victim[..., None]
     return slot, slot[..., None].expand(*slot.shape, width)
+
+
+class StepViews:
+    """A layer that evicts one token a step holds `n` slots between steps and `n + 1` during one: the same
+    buffers at two lengths. These are their views, made at an eviction and reused while they are the layer's
+    tensors: `held` (`n` slots), `grown` (`n + 1`) and `newest` (slot `n`, where a step's token is written and
+    whence an eviction moves it). A step then writes and scatters and makes no view: each view is an op to
+    dispatch, and a decoding step's cost where the host is the bound is its op count."""
+
+    def __init__(self, layer: KVLayer):
+        n = layer.slots - 1
+        self.grown = {"keys": layer.keys, "values": layer.values, "positions": layer.positions, "valid": layer.valid,
+                      **{("extra", name): t for name, t in layer.extra.items()}}
+        self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
+        self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
+        self.extra_names = tuple(layer.extra)
+
+    def _are(self, views: dict, layer: KVLayer) -> bool:
+        return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
+                layer.positions and views["valid"] is layer.valid and tuple(layer.extra) == self.extra_names
+                and all(views[("extra", name)] is t for name, t in layer.extra.items()))
+
+    def held_by(self, layer: KVLayer) -> bool:
+        """Whether `layer`'s tensors are these `n`-slot views (nothing replaced them since the eviction)."""
+        return self._are(self.held, layer)
+
+    def grown_by(self, layer: KVLayer) -> bool:
+        return self._are(self.grown, layer)
+
+    def write(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`."""
+        new = self.newest
+        new["keys"].copy_(key_states)
+        new["values"].copy_(value_states)
+        new["positions"].fill_(layer.logical_len)
+        new["valid"].fill_(True)
+        for name in self.extra_names:
+            new[("extra", name)].zero_()
+        self._set(layer, self.grown)
+        layer.logical_len += 1
+        layer.new_tokens = 1
+        return layer.keys, layer.values
+
+    def evict(self, layer: KVLayer, slot: torch.Tensor, index: torch.Tensor, reuse: bool) -> None:
+        """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`; `index` the same expanded over the keys'
+        width); the layer's tensors become `held`, or with `reuse` False views made after these writes."""
+        grown, new = self.grown, self.newest
+        grown["keys"].scatter_(2, index, new["keys"])
+        if grown["values"].shape[-1] != index.shape[-1]:  # (models with other value widths)
+            index = slot[..., None].expand(*slot.shape, grown["values"].shape[-1])
+        grown["values"].scatter_(2, index, new["values"])
+        grown["positions"].scatter_(-1, slot, new["positions"])
+        for name in self.extra_names:
+            grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])
+        if reuse:
+            self._set(layer, self.held)
+        else:
+            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
+
+    def _set(self, layer: KVLayer, views: dict) -> None:
+        layer.keys, layer.values = views["keys"], views["values"]
+        layer.positions, layer.valid = views["positions"], views["valid"]
+        layer.extra = {name: views[("extra", name)] for name in self.extra_names}

@@ -17,7 +17,7 @@ import copy
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .buffers import allocated, append_in_place, slot_dim, victim_indices
+from .buffers import StepViews, allocated, append_in_place, slot_dim, victim_indices
 from .state import RowState, padded
 
 
@@ -38,7 +38,7 @@ class KVLayer(RowState, CacheLayerMixin):
     The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
     them with new tensors (`select`) or write into them in place, never keep views of them across steps. A layer
     that evicts one token a step (`evict`) holds as many slots after every step: its steps write and scatter
-    through views made once (`_StepViews`), while nothing else replaces its tensors.
+    through views made once (`StepViews`), while nothing else replaces its tensors.
     """
 
     is_sliding = False
@@ -56,7 +56,7 @@ class KVLayer(RowState, CacheLayerMixin):
         self.compressed = False
         self.new_tokens = 0  # tokens of the last forward (`update`)
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
-        self._views: _StepViews | None = None  # an evicting layer's step views (`evict`), while they hold
+        self._views: StepViews | None = None  # an evicting layer's step views (`evict`), while they hold
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty tensors of the first forward's dtype, device, batch and heads."""
@@ -177,7 +177,7 @@ class KVLayer(RowState, CacheLayerMixin):
         `victim_indices(victim, head_dim)` when the caller made them (for several layers at once)."""
         if not self.all_valid:  # a filler victim holds the newest token from now on (a real one is real already)
             self.valid.scatter_(1, victim[:, :1], True)
-        views = self._views if self._views is not None and self._views.grown_by(self) else _StepViews(self)
+        views = self._views if self._views is not None and self._views.grown_by(self) else StepViews(self)
         if indices is None or indices[1].shape[-1] != self.keys.shape[-1]:
             indices = victim_indices(victim, self.keys.shape[-1])
         reuse = not self.keys.requires_grad  # a forward with gradients reads no view made before these writes
@@ -316,66 +316,3 @@ def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None, budgets: torch
         filler = (~valid).to(torch.int8).argmax(dim=-1)
         victim = torch.where(room[..., None], filler[..., None], victim)
     return victim
-
-
-class _StepViews:
-    """A layer that evicts one token a step holds `n` slots between steps and `n + 1` during one: the same
-    buffers at two lengths. These are their views, made at an eviction and reused while they are the layer's
-    tensors: `held` (`n` slots), `grown` (`n + 1`) and `newest` (slot `n`, where a step's token is written and
-    whence an eviction moves it). A step then writes and scatters and makes no view: each view is an op to
-    dispatch, and a decoding step's cost where the host is the bound is its op count."""
-
-    def __init__(self, layer: KVLayer):
-        n = layer.slots - 1
-        self.grown = {"keys": layer.keys, "values": layer.values, "positions": layer.positions, "valid": layer.valid,
-                      **{("extra", name): t for name, t in layer.extra.items()}}
-        self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
-        self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
-        self.extra_names = tuple(layer.extra)
-
-    def _are(self, views: dict, layer: KVLayer) -> bool:
-        return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
-                layer.positions and views["valid"] is layer.valid and tuple(layer.extra) == self.extra_names
-                and all(views[("extra", name)] is t for name, t in layer.extra.items()))
-
-    def held_by(self, layer: KVLayer) -> bool:
-        """Whether `layer`'s tensors are these `n`-slot views (nothing replaced them since the eviction)."""
-        return self._are(self.held, layer)
-
-    def grown_by(self, layer: KVLayer) -> bool:
-        return self._are(self.grown, layer)
-
-    def write(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
-        """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`."""
-        new = self.newest
-        new["keys"].copy_(key_states)
-        new["values"].copy_(value_states)
-        new["positions"].fill_(layer.logical_len)
-        new["valid"].fill_(True)
-        for name in self.extra_names:
-            new[("extra", name)].zero_()
-        self._set(layer, self.grown)
-        layer.logical_len += 1
-        layer.new_tokens = 1
-        return layer.keys, layer.values
-
-    def evict(self, layer: KVLayer, slot: torch.Tensor, index: torch.Tensor, reuse: bool) -> None:
-        """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`; `index` the same expanded over the keys'
-        width); the layer's tensors become `held`, or with `reuse` False views made after these writes."""
-        grown, new = self.grown, self.newest
-        grown["keys"].scatter_(2, index, new["keys"])
-        if grown["values"].shape[-1] != index.shape[-1]:  # (models with other value widths)
-            index = slot[..., None].expand(*slot.shape, grown["values"].shape[-1])
-        grown["values"].scatter_(2, index, new["values"])
-        grown["positions"].scatter_(-1, slot, new["positions"])
-        for name in self.extra_names:
-            grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])
-        if reuse:
-            self._set(layer, self.held)
-        else:
-            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
-
-    def _set(self, layer: KVLayer, views: dict) -> None:
-        layer.keys, layer.values = views["keys"], views["values"]
-        layer.positions, layer.valid = views["positions"], views["valid"]
-        layer.extra = {name: views[("extra", name)] for name in self.extra_names}

@@ -37,7 +37,7 @@ import torch
 from .attention import AttentionCall
 from .cache import Forward, SparseCache
 from .hooks import install
-from .layers import KVLayer, lowest_real
+from .layers import KVLayer
 from .log import say_once
 from .options import check_arguments, check_number
 from .state import RowState
@@ -213,14 +213,6 @@ class Press:
         """Whether every row keeps its whole prompt: its budget, plus the `beside` tokens the press keeps besides
         it, covers it (`row_budgets` set the budgets)."""
         return bool((cache.budgets + beside >= cache.prompt_lengths).all())
-
-    @staticmethod
-    def victims(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> torch.Tensor:
-        """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token, or a filler
-        slot where the row holds no more real tokens than its budget (`KVLayer.victims`)."""
-        return layer.victims(scores, cache.on("budgets", layer.device))
-
-    lowest_real = staticmethod(lowest_real)
 
     @staticmethod
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:

@@ -178,6 +178,30 @@ class StoreLayer(KVLayer):
         return self.slots
 
 
+def load_layers(layers: list[StoreLayer], entering: torch.Tensor, row: torch.Tensor, head: torch.Tensor,
+                slot: torch.Tensor, target: torch.Tensor) -> None:
+    """`StoreLayer.load` for several layers at once: store slots entering their working sets, `entering` `(n, ...)`
+    whose last four columns are (index into `layers`, row, head, slot), sorted by layer, and the same as the
+    tensors `row`, `head`, `slot`, copied into working-set slots `target`. An offloaded store's rows for every
+    loading layer are gathered into one pinned buffer: one copy to the device per tensor (on a GPU one wait), not
+    one a layer; the layers' shares are counted where the store is, without waiting for the device."""
+    store = layers[0].store_keys  # every layer's has the same shape
+    elsewhere = offloaded(store, row.device)
+    if elsewhere:
+        entering = entering.to(store.device)
+    counts = torch.bincount(entering[:, -4], minlength=len(layers)).tolist()
+    ranks = [rank for rank, count in enumerate(counts) if count]
+    loading, sizes = [layers[rank] for rank in ranks], [counts[rank] for rank in ranks]
+    rows = [None] * len(sizes)
+    if elsewhere:
+        index = flat_index(store, *entering[:, -3:].unbind(-1)).split(sizes)
+        keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
+                        .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
+        rows = list(zip(keys, values))
+    for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
+        layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
+
+
 def _joined_store(stores: list[torch.Tensor], slots: int) -> torch.Tensor:
     """Stores `(rows, kv_heads, R_i, d)` one after the other along the batch, each padded at its end to `slots`
     with zeros (empty slots, never loaded), written once into one tensor, pinned when they are: a store that

@@ -23,6 +23,7 @@ from sparsekv import (
 )
 from sparsekv.buffers import GROW, buffer_of, span
 from sparsekv.cache import Forward
+from sparsekv.layers import lowest_real
 from sparsekv.stats import held_tensors
 
 PRESSES = {
@@ -347,7 +348,7 @@ def test_a_step_through_an_evicting_layers_views_decodes_as_the_general_path(nam
     """An evicting layer's steps write into and scatter through the views its first eviction made: the same
     tokens and logits at every step as the general append and move, with padding (a masked batch) too; between
     steps the layer holds its budget, no more."""
-    from sparsekv.layers import _StepViews
+    from sparsekv.buffers import StepViews
 
     model = make_model("qwen2", impl)
     ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
@@ -357,11 +358,11 @@ def test_a_step_through_an_evicting_layers_views_decodes_as_the_general_path(nam
             return greedy(model, ids, mask, new=30, output_logits=True, return_dict_in_generate=True)
 
     writes = []
-    write = _StepViews.write
-    monkeypatch.setattr(_StepViews, "write", lambda self, *a: writes.append(1) or write(self, *a))
+    write = StepViews.write
+    monkeypatch.setattr(StepViews, "write", lambda self, *a: writes.append(1) or write(self, *a))
     through_views = run()
     assert len(writes) >= 28 * 3  # every step after the first eviction, in every layer
-    monkeypatch.setattr(_StepViews, "held_by", lambda self, layer: False)
+    monkeypatch.setattr(StepViews, "held_by", lambda self, layer: False)
     general = run()
     assert torch.equal(through_views.sequences, general.sequences)
     torch.testing.assert_close(torch.stack(through_views.logits), torch.stack(general.logits), rtol=1e-5, atol=1e-5)
@@ -470,7 +471,7 @@ def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
     def one_by_one(press, step):
         for layer in step.waiting:
             scores = press.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, step.start)
-            layer.evict(press.lowest_real(scores, None if layer.all_valid else layer.valid, step.budgets))
+            layer.evict(lowest_real(scores, None if layer.all_valid else layer.valid, step.budgets))
         step.waiting = []
 
     monkeypatch.setattr(h2o_step, "evict_together", one_by_one)

@@ -21,7 +21,7 @@ from transformers import DynamicCache, GenerationConfig
 
 import sparsekv
 from sparsekv import CHESSPress, Press, ScorerPress, SentencePress, SnapKVPress, SparseCache, StoreLayer
-from sparsekv.segment import closes_sentence
+from sparsekv.presses.sentence_segment import closes_sentence
 
 
 def registered_presses() -> list[type[Press]]:

@@ -7,7 +7,7 @@ import torch
 
 from sparsekv import ChunkPress, SentencePress, SnapKVPress
 from sparsekv.niah import build_needle_prompt, score_answer
-from sparsekv.segment import sentence_ids, token_texts
+from sparsekv.presses.sentence_segment import sentence_ids, token_texts
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from conftest import TRICKY, make_tokenizer
 
-from sparsekv.segment import closes_sentence, sentence_ids, split_long, token_texts
+from sparsekv.presses.sentence_segment import closes_sentence, sentence_ids, split_long, token_texts
 
 
 def sentences(text: str, **kw) -> list[str]:

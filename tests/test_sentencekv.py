@@ -16,7 +16,7 @@ from sparsekv.attention import project_queries, rotate
 from sparsekv.buffers import GROW
 from sparsekv.presses.sentence_state import SentenceState
 from sparsekv.presses.sentence_step import load, loading_room, rank_in_sentence
-from sparsekv.segment import sentence_ids
+from sparsekv.presses.sentence_segment import sentence_ids
 
 
 def press(**kw):
@@ -284,7 +284,6 @@ def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(pla
     device the tests run on: the entering slots moved to the store's side once, every loading layer's rows
     gathered into one buffer and copied over (`plan="step"`), or each layer's (`plan="layer"`), give the same
     working sets, positions and logits as loads from a store beside the model."""
-    import sparsekv.presses.sentence_step
     import sparsekv.store
 
     model = make_model("llama", vocab_size=420)
@@ -299,7 +298,6 @@ def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(pla
             return away or store.device != device
 
         monkeypatch.setattr(sparsekv.store, "offloaded", elsewhere)
-        monkeypatch.setattr(sparsekv.presses.sentence_step, "offloaded", elsewhere)
         with press(budget=30, plan=plan)(model), torch.no_grad():
             out = model(ids)
             logits = []

@@ -163,7 +163,7 @@ class CHESSPress(Press):
         layer = cache.layers[next(iter(state.columns))]
         lengths = layer.logical_len - cache.on("prompt_start", layer.device)  # real tokens per row
         # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
-        complete = (layer.logical_len - cache.prompt_start).div(self.page_size, rounding_mode="floor")
+        complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(self.page_size, rounding_mode="floor")
         continued = cache.forward is not None and cache.forward.continues_prompt
         if state.selected is None or continued:  # a prompt, the first or a continued one
             trigger = torch.ones_like(lengths, dtype=torch.bool)

@@ -80,7 +80,7 @@ class ChunkPress(SnapKVPress):
         state, i = cache.state, call.module.layer_idx
         if state.leader[i] == i:
             state.selection[i] = self.select_chunks(self.window_scores(cache, layer, call), call.valid(),
-                                                    cache.prompt_start, budgets)
+                                                    cache.on("prompt_start", layer.device), budgets)
         scores, kept = state.selection[state.leader[i]]
         layer.keep(scores.expand(-1, layer.keys.shape[1], -1), kept)
 

@@ -13,7 +13,7 @@ import torch
 from ..attention import AttentionCall, attention_probs, query_norm, rotate_projections
 from ..buffers import victim_indices
 from ..cache import Forward, SparseCache
-from ..layers import KVLayer
+from ..layers import KVLayer, lowest_real
 
 
 @dataclass
@@ -104,7 +104,7 @@ def evict_together(press, step: Step) -> None:
                                     layers[0].logical_len, step.start.to(positions.device))
         valid = None if all(layer.all_valid for layer in layers) else torch.stack([layer.valid for layer in layers])
         budgets = None if valid is None else step.budgets.to(positions.device)
-        victims = press.lowest_real(scores, valid, budgets)
+        victims = lowest_real(scores, valid, budgets)
         slots, index = victim_indices(victims, layers[0].keys.shape[-1])  # every layer's, in one go
         for layer, victim, slot, idx in zip(layers, victims.unbind(), slots.unbind(), index.unbind()):
             layer.evict(victim, (slot, idx))

@@ -8,7 +8,7 @@ import torch
 
 from ..attention import rotate_projections
 from ..cache import SparseCache
-from ..store import flat_index, gather_rows, offloaded
+from ..store import load_layers
 from .sentence_state import LayerStack
 
 
@@ -95,23 +95,7 @@ def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int
     _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
     target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
     stack.device_slot[row, lay, head, slot] = target
-    layers = [cache.layers[i] for i in stack.ranks]  # in rank order
-    store = layers[0].store_keys  # every layer's has the same shape (the stack's)
-    elsewhere = offloaded(store, row.device)
-    # An offloaded store: the entering slots copied to its device once for every layer (on a GPU one wait, not
-    # one a layer), where each layer's are counted too.
-    entering = pairs[:n].to(store.device) if elsewhere else pairs[:n]
-    counts = torch.bincount(entering[:, 1], minlength=len(layers)).tolist()
-    ranks = [rank for rank, count in enumerate(counts) if count]
-    loading, sizes = [layers[rank] for rank in ranks], [counts[rank] for rank in ranks]
-    rows = [None] * len(sizes)
-    if elsewhere:  # every loading layer's rows gathered into one pinned buffer: one copy to the GPU per tensor
-        index = flat_index(store, *entering[:, 2:].unbind(-1)).split(sizes)
-        keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
-                        .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
-        rows = list(zip(keys, values))
-    for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
-        layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
+    load_layers([cache.layers[i] for i in stack.ranks], pairs[:n], row, head, slot, target)  # in rank order
     return n
 
 

@@ -16,8 +16,8 @@ from ..attention import AttentionCall, query_norm, rotate
 from ..cache import Forward, SparseCache
 from ..layers import KVLayer
 from ..options import check_number
-from ..segment import closes_sentence, sentence_ids
 from ..store import StoreLayer
+from .sentence_segment import closes_sentence, sentence_ids
 from .sentence_state import SentenceState, as_rows, end_sentence
 from .sentence_step import add_queries, load, loading_room, plan_step
 from .snapkv import SnapKVPress
@@ -28,7 +28,7 @@ class SentencePress(SnapKVPress):
     """Keep the prompt as sentences in an offload store; at every decoding step, attend to the sentences whose
     keys best match the mean query of the sentence being generated.
 
-    Prefill (sec. 4.1): the prompt is split into sentences (`sparsekv.segment`: Punkt, blank lines, sentences over
+    Prefill (sec. 4.1): the prompt is split into sentences (`sentence_segment`: Punkt, blank lines, sentences over
     mean + 2 std tokens cut, A.7). SnapKV's window scores, summed over the heads, keep the best `keep_factor *
     budget` prompt tokens (A.7's global prefilter) besides the attention sinks and the recent window, which stay on
     the device; the kept tokens' KV goes to the store, and each sentence's vector per KV head stays on the device.

@@ -63,7 +63,7 @@ class StreamingLLMPress(Press):
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
             # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
             if cache.forward.plan is None:
-                victim = self.victims(cache, layer, self.recency(cache, layer))
+                victim = layer.victims(self.recency(cache, layer), cache.on("budgets", layer.device))
                 cache.forward.plan = victim, victim_indices(victim, layer.keys.shape[-1])
             victim, indices = cache.forward.plan
             if victim.device != layer.device:  # (a model split over devices)
