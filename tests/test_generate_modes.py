@@ -123,6 +123,35 @@ def test_concurrent_generations_on_one_model_give_the_sequential_outputs(press_c
                     assert torch.equal(got, want)
 
 
+def held(model, press) -> tuple:
+    """What a generation could leave behind outside its cache: the press's fields and the attributes of every
+    module of the model (each value's identity; a press's options by their repr, so a list filled in place shows),
+    and the model's config."""
+    modules = {name: {key: id(value) for key, value in vars(module).items()} for name, module in model.named_modules()}
+    hooks = {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    fields = {key: (id(value), repr(value)) for key, value in vars(press).items()}
+    return fields, modules, hooks, model.config.to_dict()
+
+
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_a_generation_leaves_the_press_and_the_model_as_they_were(press_cls):
+    """Per-generation state lives in the cache, its layers and the forward under way: generating (a padded batch,
+    greedy and with beams) writes nothing on the press or on any module of the model, where another generation
+    would meet it."""
+    model = make_model("llama")
+    press = tiny_press(press_cls)
+    ids, mask = padded_batch()
+    before = held(model, press)
+    with press(model):
+        greedy(model, ids, mask, new=6)
+        greedy(model, ids, mask, new=4, num_beams=2)
+    fields, modules, hooks, config = held(model, press)
+    assert fields == before[0], f"{press_cls.__name__} changed its fields while generating"
+    changed = {name for name in modules if modules[name] != before[1].get(name)}
+    assert not changed, f"generating under {press_cls.__name__} set attributes on modules {sorted(changed)}"
+    assert hooks == before[2] and config == before[3]
+
+
 def test_different_presses_on_different_models_in_parallel():
     models = [make_model("llama", seed=s) for s in range(len(PRESSES))]
     ids = prompt(64)
