@@ -71,7 +71,12 @@ class Forward:
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
-    rope: StepRope = field(default_factory=StepRope)  # a one-token step's RoPE matrices, shared by its layers
+    rope: StepRope = field(init=False, default=None)  # a one-token step's RoPE matrices, shared by its layers
+
+    def __post_init__(self):
+        # Made here, not by a `default_factory`: dynamo cannot trace a dataclass's factory of a class of ours (a
+        # graph break at every forward it compiles).
+        self.rope = StepRope()
 
 
 class SparseCache(RowState, Cache):
@@ -187,9 +192,9 @@ class SparseCache(RowState, Cache):
             raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
             raise ValueError(f"input_ids: token ids must be integers (torch.long); got {input_ids.dtype}.")
-        start = time.perf_counter()
+        start = clock()
         self.press.begin_forward(self, self.forward)  # its plan is press work of this step (or of the prompt)
-        self.seconds["compress" if first else "step"] += time.perf_counter() - start
+        self.timed("compress" if first else "step", start)
 
     def before_layer(self, module: torch.nn.Module, hidden: torch.Tensor,
                      position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
@@ -243,20 +248,25 @@ class SparseCache(RowState, Cache):
         call = self.forward.calls.pop(layer_idx)
         call.weights = weights
         layer = self.layers[layer_idx]
-        start = time.perf_counter()
+        start = clock()
         if self.pieces is not None:  # a prompt read in pieces: compressed at its last, as a whole
             call = self.pieces.call(call)
             if self.forward.pieces_left:
                 self.press.read_piece(self, layer, call)
             else:
                 self.press.compress(self, layer, call)
-            self.seconds["compress"] += time.perf_counter() - start
+            self.timed("compress", start)
         elif layer.logical_len == call.q_len:  # the first forward of this cache: the prompt
             self.press.compress(self, layer, call)
-            self.seconds["compress"] += time.perf_counter() - start
+            self.timed("compress", start)
         else:
             self.press.after_step(self, layer, call)
-            self.seconds["step"] += time.perf_counter() - start
+            self.timed("step", start)
+
+    def timed(self, kind: str, start: float | None) -> None:
+        """Add the seconds since `start` (`clock()`) to `seconds[kind]`; nothing when it was not taken."""
+        if start is not None:
+            self.seconds[kind] += time.perf_counter() - start
 
     def end_forward(self, logits: torch.Tensor | None) -> None:
         """After the model, with its next-token `logits` `(batch, q, vocab)` (None if it returned none)."""
@@ -335,6 +345,12 @@ class SparseCache(RowState, Cache):
     def prompt_kept(self) -> dict[int, torch.Tensor]:
         """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens whose KV it reads now."""
         return prompt_kept(self)
+
+
+def clock() -> float | None:
+    """Now, to time press work (`SparseCache.seconds`); None inside a compiled forward, whose press work is not
+    timed: the clock is not traced (a graph break at every layer), and a compiled graph runs as one piece."""
+    return None if torch.compiler.is_compiling() else time.perf_counter()
 
 
 def check_left_padded(attention_mask: torch.Tensor) -> None:

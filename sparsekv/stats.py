@@ -22,7 +22,8 @@ class CacheStats:
         attended_tokens: per layer, real tokens attended, averaged over the batch.
         kv_bytes: bytes of keys and values held, all layers.
         bytes_by_device: bytes of every tensor the cache holds (KV and bookkeeping), by device.
-        seconds: time spent in press work: "compress" (the prompt) and "step" (every later forward).
+        seconds: time spent in press work: "compress" (the prompt) and "step" (every later forward); a forward
+            run compiled (`torch.compile`) is not timed.
         offloaded_bytes: bytes of KV a press keeps off the device in an offload store (e.g. SentenceKV's).
         counts: press events by kind (e.g. "selections", "loads", "loaded_tokens").
         layer_jaccard: per pair of adjacent compressed layers, the Jaccard similarity of the prompt tokens they
