@@ -101,12 +101,14 @@ class KVLayer(RowState, CacheLayerMixin):
 
         New slots are written in place into the free room behind the tensor when it has some; else (prompt, or
         after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
-        layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does).
+        layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does). A forward with gradients,
+        or one `torch.compile` traces, concatenates.
         """
         holder = vars(self) if where is None else where
         current = holder[name]
         dim = slot_dim(current)
-        if getattr(new, "requires_grad", False) or current.requires_grad:  # differentiable: no in-place writes
+        # Differentiable: no in-place writes. Compiling: dynamo cannot read the room behind a tensor (its storage).
+        if getattr(new, "requires_grad", False) or current.requires_grad or torch.compiler.is_compiling():
             if not isinstance(new, torch.Tensor):
                 new = current.new_full((*current.shape[:dim], 1, *current.shape[dim + 1:]), new)
             holder[name] = torch.cat([current, new], dim=dim)

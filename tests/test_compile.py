@@ -10,15 +10,21 @@ import torch
 from conftest import make_model, prompt
 from torch._dynamo.utils import counters
 
-from sparsekv import H2OPress, StreamingLLMPress
+from sparsekv import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
 
 
-@pytest.mark.parametrize("press", [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25)], ids=lambda p: p.label())
+PRESSES = [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25), SnapKVPress(ratio=0.25, window_size=8),
+           ChunkPress(ratio=0.25, window_size=8, chunk_size=4)]
+
+
+@pytest.mark.parametrize("press", PRESSES, ids=lambda p: p.label())
 @torch.no_grad()
-def test_an_evicting_presss_decoding_step_traces_without_a_graph_break(press):
-    """dynamo traces a decoding step on a full cache, the hooks and the press's eviction included, without a graph
-    break (the driver takes no clock while compiling; nothing it builds is a class dynamo cannot construct); the
-    step gives the eager step's logits and leaves the same cache."""
+def test_a_decoding_step_traces_without_a_graph_break(press):
+    """dynamo traces a decoding step, the hooks and the press's work included (an eviction on a full cache, or the
+    token appended to a compressed prompt), without a graph break: the driver takes no clock while compiling,
+    makes nothing dynamo cannot construct, and a layer appends by concatenation (the room behind a tensor is read
+    from its storage, which dynamo cannot follow). The step gives the eager step's logits and leaves the same
+    cache. (CHESS breaks at its trigger's host read after the logits, SentenceKV at its loads' `nonzero`.)"""
     model = make_model("llama")
     with press(model):
         cache = model(prompt(64)).cache
