@@ -12,7 +12,6 @@ from torch._dynamo.utils import counters
 
 from sparsekv import ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
 
-
 PRESSES = [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25), SnapKVPress(ratio=0.25, window_size=8),
            ChunkPress(ratio=0.25, window_size=8, chunk_size=4)]
 

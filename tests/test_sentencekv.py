@@ -14,9 +14,9 @@ from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.attention import project_queries, rotate
 from sparsekv.buffers import GROW
+from sparsekv.presses.sentence_segment import sentence_ids
 from sparsekv.presses.sentence_state import SentenceState
 from sparsekv.presses.sentence_step import load, loading_room, rank_in_sentence
-from sparsekv.presses.sentence_segment import sentence_ids
 
 
 def press(**kw):
