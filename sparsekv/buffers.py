@@ -7,12 +7,7 @@ steps write and scatter without making any."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:  # (layers import these buffers)
-    from .layers import KVLayer
 
 # Free slots added when a layer's buffers are full: decoding copies its KV once every GROW steps (a page of CHESS).
 GROW = 32
@@ -103,9 +98,10 @@ class StepViews:
     buffers at two lengths. These are their views, made at an eviction and reused while they are the layer's
     tensors: `held` (`n` slots), `grown` (`n + 1`) and `newest` (slot `n`, where a step's token is written and
     whence an eviction moves it). A step then writes and scatters and makes no view: each view is an op to
-    dispatch, and a decoding step's cost where the host is the bound is its op count."""
+    dispatch, and a decoding step's cost where the host is the bound is its op count. (`layer`, in each method: the
+    `sparsekv.layers.KVLayer` whose tensors these view; not imported here, as layers.py imports this module.)"""
 
-    def __init__(self, layer: KVLayer):
+    def __init__(self, layer):
         n = layer.slots - 1
         self.grown = {"keys": layer.keys, "values": layer.values, "positions": layer.positions, "valid": layer.valid,
                       **{("extra", name): t for name, t in layer.extra.items()}}
@@ -113,19 +109,19 @@ class StepViews:
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
 
-    def _are(self, views: dict, layer: KVLayer) -> bool:
+    def _are(self, views: dict, layer) -> bool:
         return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
                 layer.positions and views["valid"] is layer.valid and tuple(layer.extra) == self.extra_names
                 and all(views[("extra", name)] is t for name, t in layer.extra.items()))
 
-    def held_by(self, layer: KVLayer) -> bool:
+    def held_by(self, layer) -> bool:
         """Whether `layer`'s tensors are these `n`-slot views (nothing replaced them since the eviction)."""
         return self._are(self.held, layer)
 
-    def grown_by(self, layer: KVLayer) -> bool:
+    def grown_by(self, layer) -> bool:
         return self._are(self.grown, layer)
 
-    def write(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+    def write(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
         """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`."""
         new = self.newest
         new["keys"].copy_(key_states)
@@ -139,7 +135,7 @@ class StepViews:
         layer.new_tokens = 1
         return layer.keys, layer.values
 
-    def evict(self, layer: KVLayer, slot: torch.Tensor, index: torch.Tensor, reuse: bool) -> None:
+    def evict(self, layer, slot: torch.Tensor, index: torch.Tensor, reuse: bool) -> None:
         """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`; `index` the same expanded over the keys'
         width); the layer's tensors become `held`, or with `reuse` False views made after these writes."""
         grown, new = self.grown, self.newest
@@ -155,7 +151,7 @@ class StepViews:
         else:
             self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
 
-    def _set(self, layer: KVLayer, views: dict) -> None:
+    def _set(self, layer, views: dict) -> None:
         layer.keys, layer.values = views["keys"], views["values"]
         layer.positions, layer.valid = views["positions"], views["valid"]
         layer.extra = {name: views[("extra", name)] for name in self.extra_names}
