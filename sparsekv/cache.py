@@ -248,20 +248,19 @@ class SparseCache(RowState, Cache):
         call = self.forward.calls.pop(layer_idx)
         call.weights = weights
         layer = self.layers[layer_idx]
-        start = clock()
+        start, kind = clock(), "compress"
         if self.pieces is not None:  # a prompt read in pieces: compressed at its last, as a whole
             call = self.pieces.call(call)
             if self.forward.pieces_left:
                 self.press.read_piece(self, layer, call)
             else:
                 self.press.compress(self, layer, call)
-            self.timed("compress", start)
         elif layer.logical_len == call.q_len:  # the first forward of this cache: the prompt
             self.press.compress(self, layer, call)
-            self.timed("compress", start)
         else:
             self.press.after_step(self, layer, call)
-            self.timed("step", start)
+            kind = "step"
+        self.timed(kind, start)
 
     def timed(self, kind: str, start: float | None) -> None:
         """Add the seconds since `start` (`clock()`) to `seconds[kind]`; nothing when it was not taken."""
