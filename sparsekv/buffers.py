@@ -108,6 +108,10 @@ class StepViews:
         self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
+        if not torch.compiler.is_compiling():  # steps write into them in place: CUDA graphs may take them as
+            for views in (self.grown, self.held, self.newest):  # they are, not copy them in at every replay
+                for t in views.values():
+                    torch._dynamo.mark_static_address(t)
 
     def _are(self, views: dict, layer) -> bool:
         return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
@@ -122,23 +126,25 @@ class StepViews:
         return self._are(self.grown, layer)
 
     def write(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
-        """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`."""
-        new = self.newest
+        """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`. Slot `n`
+        held the last token (an eviction moves it, and leaves it there): the new one's position is one more, found
+        on the device (no position read on the host, which a compiled step would be traced anew for)."""
+        new = self.slot_n()
         new["keys"].copy_(key_states)
         new["values"].copy_(value_states)
-        new["positions"].fill_(layer.logical_len)
+        new["positions"].add_(1)
         new["valid"].fill_(True)
         for name in self.extra_names:
             new[("extra", name)].zero_()
         self._set(layer, self.grown)
-        layer.logical_len += 1
+        layer.count_step()
         layer.new_tokens = 1
         return layer.keys, layer.values
 
     def evict(self, layer, slot: torch.Tensor, index: torch.Tensor, reuse: bool) -> None:
         """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`; `index` the same expanded over the keys'
         width); the layer's tensors become `held`, or with `reuse` False views made after these writes."""
-        grown, new = self.grown, self.newest
+        grown, new = self.grown, self.slot_n()
         grown["keys"].scatter_(2, index, new["keys"])
         if grown["values"].shape[-1] != index.shape[-1]:  # (models with other value widths)
             index = slot[..., None].expand(*slot.shape, grown["values"].shape[-1])
@@ -147,9 +153,32 @@ class StepViews:
         for name in self.extra_names:
             grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])
         if reuse:
-            self._set(layer, self.held)
+            self.hold(layer)
         else:
             self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
+
+    def slot_n(self) -> dict:
+        """Slot `n` of each buffer: the views made once, or, compiling, views made in the graph. A graph then
+        takes each buffer as its one input, written in place (the views made once would be more inputs over the
+        same memory, which AOTAutograd merges into a base of its own: CUDA graphs then skip the step, as one
+        that mutates an input whose address is not static)."""
+        if torch.compiler.is_compiling():
+            return {k: t.narrow(slot_dim(t), t.shape[slot_dim(t)] - 1, 1) for k, t in self.grown.items()}
+        return self.newest
+
+    def held_valid(self) -> torch.Tensor:
+        """The `n` slots' validity, `held["valid"]`; compiling, a view made in the graph (as `slot_n`)."""
+        if torch.compiler.is_compiling():
+            return self.grown["valid"][:, :-1]
+        return self.held["valid"]
+
+    def newest_position(self) -> int:
+        """The position slot `n` holds: the newest token's, between steps too (a host read)."""
+        return int(self.newest["positions"].flatten()[0])
+
+    def hold(self, layer) -> None:
+        """The layer's tensors become `held`: its `n` slots, between steps."""
+        self._set(layer, self.held)
 
     def _set(self, layer, views: dict) -> None:
         layer.keys, layer.values = views["keys"], views["values"]

@@ -54,6 +54,8 @@ class Forward:
         input_ids: the forward's token ids `(batch, q)`, None when the model gets embeddings.
         input_valid: `(batch, q)` which input tokens are real; None when all are (the common, fast case).
         q_len: tokens in this forward.
+        first: the cache's first forward (it holds nothing before this one's tokens): the prompt, or its first
+            piece.
         calls: per layer index, the attention call under way (from `before_layer` to `after_layer`).
         plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g. H2O's
             recent window, SentenceKV's sentence-closing flags) or by the first layer that needs it
@@ -67,6 +69,7 @@ class Forward:
     input_ids: torch.Tensor | None
     input_valid: torch.Tensor | None
     q_len: int
+    first: bool = False
     continues_prompt: bool = False
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
@@ -88,13 +91,14 @@ class SparseCache(RowState, Cache):
             real token. Set at the first forward.
         budgets: `(batch,)` tokens kept per row, set by the press at prefill (`Press.row_budgets`).
         state: the press's per-generation state (`Press.new_state`), a `RowState` or None.
+        compiled: generate may compile its decoding steps over this cache (`is_compileable`; `Press.make_cache`).
         forward: the `Forward` under way, None between forwards.
         seconds: time spent in press work, "compress" and "step" (for `stats`); counts: press events by kind.
     """
 
     shared_state = frozenset({"layers", "press", "config", "forward", "shared", "seconds", "counts"})
 
-    def __init__(self, press, config):
+    def __init__(self, press, config, compiled: bool = False):
         text_config = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
@@ -102,7 +106,9 @@ class SparseCache(RowState, Cache):
             for i, (t, kw) in enumerate(zip(types, kwargs))
         ]
         super().__init__(layers=layers)
-        self.press, self.config = press, config
+        self.press, self.config, self.compiled = press, config, compiled
+        if compiled:
+            check_compiled(press, layers)
         self.forward: Forward | None = None
         self.pieces: PromptPieces | None = None  # a prompt read in pieces, until its last
         self.prompt_lengths: torch.Tensor | None = None
@@ -113,6 +119,13 @@ class SparseCache(RowState, Cache):
         self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
         self._copies: dict[tuple, tuple] = {}  # per value of a row tensor: `on`, `largest_budget`
         self.state = press.new_state(self)
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether generate compiles its decoding forward over this cache when given a `compile_config`: when it
+        was made `compiled`. generate then gives every forward a 4D mask it builds from the layers' sizes
+        (`padding_mask` reads a prompt's padding from it)."""
+        return self.compiled
 
     def on(self, name: str, device: torch.device | str) -> torch.Tensor:
         """The row tensor `name` ("prompt_start", "prompt_lengths" or "budgets": CPU tensors, read on the host)
@@ -160,14 +173,20 @@ class SparseCache(RowState, Cache):
         """Open a forward of `q_len` tokens per row; the 2D `attention_mask` tells which are real; `draft`: the
         tokens are a draft being verified (assisted decoding, prompt lookup), not a continued prompt;
         `pieces_left`: the forward is a piece of a prompt read in pieces, and this many follow it (generate's
-        `prefill_chunk_size`; only for presses with a `prompt_tail`)."""
+        `prefill_chunk_size`; only for presses with a `prompt_tail`). A 4D mask: `padding_mask`."""
         valid = None  # None: every new token is real (the common case, and the fast path)
-        if attention_mask is not None and attention_mask.ndim == 2:
+        first, piece = self.prompt_lengths is None, self.pieces is not None
+        unreadable = isinstance(attention_mask, dict) or getattr(attention_mask, "ndim", None) == 4
+        if unreadable and not first and not piece and batch > 1 and q_len > 1:
+            raise ValueError("attention_mask: a compiled cache's batch cannot be continued with several tokens a row "
+                             "(generate gives it a 4D mask, in which their padding cannot be read); continue it one "
+                             "row at a time (`cache.batch_select_indices`), or use a cache made without compiled.")
+        attention_mask = padding_mask(attention_mask, first)
+        if attention_mask is not None:
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
             if valid is not None:
                 check_left_padded(attention_mask)
-        first, piece = self.prompt_lengths is None, self.pieces is not None
         if first and q_len == 0:
             raise ValueError("input_ids: the prompt is empty; give at least one token (a chat template's, or the "
                              "tokenizer's bos_token_id).")
@@ -176,8 +195,11 @@ class SparseCache(RowState, Cache):
                 f"cache: it holds {self.prompt_lengths.shape[0]} rows and this forward has {batch}. generate expands "
                 "its inputs for num_beams or num_return_sequences, not a cache given to it: expand that cache the "
                 "same way first (`cache.batch_repeat_interleave(n)`).")
-        self.forward = Forward(input_ids, valid, q_len, pieces_left=pieces_left,
+        self.forward = Forward(input_ids, valid, q_len, first=first, pieces_left=pieces_left,
                                continues_prompt=not first and not piece and q_len > 1 and not draft)
+        if not torch.compiler.is_compiling():  # eager code reads the count of tokens seen at every layer
+            for layer in self.compressed_layers():
+                layer.settle()
         if first and pieces_left:
             self.pieces = PromptPieces(self.press.prompt_tail())
         if first or piece:
@@ -205,7 +227,7 @@ class SparseCache(RowState, Cache):
             position_embeddings = None
         call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings, None,
                                                                forward.input_valid)
-        call.capture = self.press.captures_step_queries and layer.logical_len > 0  # after the prompt
+        call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
         if call.capture and forward.q_len == 1:
             call.rope, call.scaled_rope = forward.rope.matrices(position_embeddings, module.head_dim, module.scaling)
             call.tile = forward.rope.tiled
@@ -220,7 +242,7 @@ class SparseCache(RowState, Cache):
         new_valid = forward.input_valid
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
-        return physical_mask(layer.valid, new_valid, module.config._attn_implementation, hidden.dtype)
+        return physical_mask(layer.past_valid(), new_valid, module.config._attn_implementation, hidden.dtype)
 
     def after_queries(self, layer_idx: int, projected: torch.Tensor) -> None:
         """The layer's query projection ran: presses that read a step's queries get them (`on_queries`)."""
@@ -255,7 +277,7 @@ class SparseCache(RowState, Cache):
                 self.press.read_piece(self, layer, call)
             else:
                 self.press.compress(self, layer, call)
-        elif layer.logical_len == call.q_len:  # the first forward of this cache: the prompt
+        elif self.forward.first:  # the prompt
             self.press.compress(self, layer, call)
         else:
             self.press.after_step(self, layer, call)
@@ -273,7 +295,23 @@ class SparseCache(RowState, Cache):
             self.press.end_forward(self, logits)
         if self.pieces is not None and not self.forward.pieces_left:
             self.pieces = None  # the prompt is read and compressed
+        if self.compiled and self.forward.q_len > 1 and not self.forward.pieces_left:
+            self.ready_for_steps()
         self.forward = None
+
+    def ready_for_steps(self) -> None:
+        """After a forward of several tokens (a prompt, a continued one) on a `compiled` cache, or rows joined
+        into one: what a step reads is made now, eagerly: the row tensors' copies on each layer's device (`on`,
+        `largest_budget`) and each full layer's room for a step's token (`KVLayer.make_step_room`). A compiled step
+        finds them as they are at every step (dynamo guards on what it reads), so it is traced once, and makes no
+        copy, no buffer and no host read of its own."""
+        if self.budgets is None:
+            return
+        for layer in self.compressed_layers():
+            for name in ("prompt_start", "budgets"):
+                self.on(name, layer.device)
+            if layer.slots == self.largest_budget:
+                layer.make_step_room()
 
     def _open_forward(self, layer_idx: int) -> Forward:
         forward = self.forward
@@ -322,7 +360,7 @@ class SparseCache(RowState, Cache):
 
     def reset(self) -> None:
         """Empty, as a new cache for the same press and model: every layer and all press state start anew."""
-        self.__init__(self.press, self.config)
+        self.__init__(self.press, self.config, self.compiled)
 
     def stats(self) -> CacheStats:
         """What the cache holds now (see `CacheStats`)."""
@@ -352,6 +390,38 @@ def clock() -> float | None:
     return None if torch.compiler.is_compiling() else time.perf_counter()
 
 
+def check_compiled(press, layers: list) -> None:
+    """Refuse a `compiled` cache that generate could not compile, or whose steps would not keep their shapes."""
+    name = type(press).__name__
+    if not press.compiled_decoding:
+        raise ValueError(f"compiled: {name}'s decoding steps do not compile yet (StreamingLLM's and H2O's do); make "
+                         "its cache without compiled=True: generate then decodes eagerly.")
+    if not all(isinstance(layer, KVLayer) for layer in layers):
+        raise ValueError(f"compiled: this model mixes in layers {name} does not compress (sliding-window or "
+                         "linear attention), which keep transformers' growing cache: generate cannot compile its "
+                         "steps; make the cache without compiled=True.")
+
+
+def padding_mask(mask, first: bool) -> torch.Tensor | None:
+    """A forward's `attention_mask` as the 2D `(batch, kv)` mask of which tokens are real, or None.
+
+    generate gives a compiled cache's forwards 4D masks `(batch, 1, q, kv)` (boolean or additive; per layer
+    type in a dict for models that mix them): at a first forward their keys are the prompt, and the last query's
+    row, which sees every earlier key causally and no padding, tells which are real. A later forward's are read
+    as None (every new token real, as generate's steps are): its columns follow the logical layout, not the
+    slots a compressed layer holds."""
+    if isinstance(mask, dict):
+        mask = mask.get("full_attention")
+    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
+        return None
+    if mask.ndim == 4:
+        if not first:
+            return None
+        row = mask[:, 0, -1]
+        return row if row.dtype == torch.bool else row == 0
+    return mask
+
+
 def check_left_padded(attention_mask: torch.Tensor) -> None:
     """Refuse a 2D attention mask with padding after a real token (right padding, or gaps): a press counts each
     row's tokens from its first real one, as generate pads decoder-only models (on the left)."""
@@ -373,9 +443,11 @@ def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, 
     """
     q = new_valid.shape[1]
     kv_valid = torch.cat([past_valid, new_valid.to(past_valid.device)], dim=-1)
+    # Compiling, the mask is kept even where every slot is real: whether they are is a host read.
+    mask_all = torch.compiler.is_compiling()
     if impl.startswith("flash"):
-        return None if bool(kv_valid.all()) else kv_valid
-    if q == 1 and bool(kv_valid.all()):
+        return None if not mask_all and bool(kv_valid.all()) else kv_valid
+    if q == 1 and not mask_all and bool(kv_valid.all()):
         return None
     n = past_valid.shape[1]
     mask = kv_valid[:, None, None, :].repeat(1, 1, q, 1)

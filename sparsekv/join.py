@@ -39,7 +39,7 @@ def join_caches(caches: list, consume: bool = False):
                          "prompts to one length (with their attention mask) before prefilling them apart.")
     if len({c.budgets is None for c in caches}) > 1:
         raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
-    out = type(first)(press, first.config)
+    out = type(first)(press, first.config, first.compiled)
     out.layers = join_layers(caches, consume)
     for name in ("prompt_lengths", "prompt_start", "budgets"):
         values = [getattr(c, name) for c in caches]
@@ -50,6 +50,8 @@ def join_caches(caches: list, consume: bool = False):
             out.seconds[key] += value
         for key, value in c.counts.items():
             out.counts[key] += value
+    if out.compiled:
+        out.ready_for_steps()  # (the joined layers are new tensors, without a step's room)
     return out
 
 

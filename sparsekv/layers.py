@@ -31,7 +31,7 @@ class KVLayer(RowState, CacheLayerMixin):
             shared by the heads of a row: every head of a row keeps the same number of real tokens.
         extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
             `keep` / `evict` / `crop` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
-        logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports).
+        logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports; see `count_step`).
         compressed: True once the physical layout differs from the logical one.
         new_tokens: tokens the last forward appended (`hold_budget` never evicts them when they fit).
 
@@ -52,11 +52,39 @@ class KVLayer(RowState, CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
-        self.logical_len = 0
+        self._seen = 0  # `logical_len` as counted on the host
+        self._counted_on_device = False  # compiled steps counted tokens since (`count_step`)
         self.compressed = False
         self.new_tokens = 0  # tokens of the last forward (`update`)
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
         self._views: StepViews | None = None  # an evicting layer's step views (`evict`), while they hold
+
+    @property
+    def logical_len(self) -> int:
+        """Tokens seen; after compiled steps and until the driver `settle`s it, read from the device."""
+        if self._counted_on_device:
+            return self._views.newest_position() + 1
+        return self._seen
+
+    @logical_len.setter
+    def logical_len(self, value: int) -> None:
+        self._seen, self._counted_on_device = value, False
+
+    def count_step(self) -> None:
+        """One more token seen, a decoding step's (`StepViews.write`, which wrote its position one past the last
+        one). Compiling, on the device only: a count on the host would be an input of the step's graph, which
+        dynamo traces anew for each value of a Python int it reads, and CUDA graphs record anew for each value
+        of an int input. `logical_len` reads it there until the driver `settle`s it, at the next eager forward."""
+        if torch.compiler.is_compiling():
+            self._counted_on_device = True  # (a constant stored: nothing read, so nothing traced anew)
+        else:
+            self.logical_len += 1
+
+    def settle(self) -> None:
+        """The count of tokens seen back on the host, after compiled steps counted them on the device (a host
+        read): before eager code reads it at every layer, or the step views it is read from go."""
+        if self._counted_on_device:
+            self.logical_len = self.logical_len
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty tensors of the first forward's dtype, device, batch and heads."""
@@ -140,6 +168,7 @@ class KVLayer(RowState, CacheLayerMixin):
 
     def select(self, idx: torch.Tensor, valid: torch.Tensor) -> None:
         """Keep the slots `idx` `(batch, heads, k)`; `valid` `(batch, k)` marks which of them are real tokens."""
+        self.settle()
         gather = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
         self.keys, self.values = gather(self.keys), gather(self.values)
         self.positions = self.positions.gather(-1, idx)
@@ -166,6 +195,29 @@ class KVLayer(RowState, CacheLayerMixin):
         if self.new_tokens <= int(budgets.min()):
             scores = scores.masked_fill(self.positions >= self.logical_len - self.new_tokens, float("inf"))
         self.keep(scores.masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
+
+    def make_step_room(self) -> None:
+        """Hold the slots in buffers with room for one more, with their step views (`StepViews`), unless they are
+        held so already: a decoding step then writes its token in place from the first, compiled too (a compiled
+        step cannot make room, `_append`). The free slot holds the newest position, as after an eviction."""
+        if self._views is not None and self._views.held_by(self):
+            return
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            return padded(t, slot_dim(t), t.shape[slot_dim(t)] + 1, 0)
+
+        self.keys, self.values, self.valid = grown(self.keys), grown(self.values), grown(self.valid)
+        self.positions = grown(self.positions)
+        self.positions[..., -1] = self.logical_len - 1
+        self.extra = {name: grown(t) for name, t in self.extra.items()}
+        self._views = StepViews(self)
+        self._views.hold(self)
+
+    def past_valid(self) -> torch.Tensor:
+        """`valid`, for a mask built before a step's token is in: compiling, read through the step views' buffer
+        (`StepViews.held_valid`), so that the graph takes the buffer alone, not a view of it besides."""
+        if self._views is not None and torch.compiler.is_compiling() and self._views.held_by(self):
+            return self._views.held_valid()
+        return self.valid
 
     def victims(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
         """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token, or a filler
@@ -219,6 +271,7 @@ class KVLayer(RowState, CacheLayerMixin):
         return 0 if self.keys is None else self.keys.shape[-2]
 
     def map_rows(self, fn, batch: int) -> None:
+        self.settle()
         self._views = None  # they view the tensors about to be replaced
         super().map_rows(fn, batch)
 
@@ -277,6 +330,8 @@ def padded_to_widest(layers: list) -> list:
     """Copies of `layers` (one type, as many tokens seen), each padded with invalid filler slots to the most slots
     any holds, where its layout puts them (`KVLayer.filler_slot`: first, as `keep` gives rows with smaller
     budgets), so that validity stays shared by the heads of a row. `RowState.joined` then concatenates them."""
+    for layer in layers:
+        layer.settle()
     first = layers[0]
     if any(type(layer) is not type(first) or layer.logical_len != first.logical_len or not layer.is_initialized
            for layer in layers):

@@ -65,6 +65,9 @@ class Press:
         joins_rows: caches of prompts prefilled apart can be joined into one batch (`SparseCache.join`,
             `sparsekv.prefill_rows`): every piece of its state is per row, laid out alike in every row's cache
             or padded to the widest by its state's `joined` (SentenceKV's stores and sentences).
+        compiled_decoding: generate may compile the decoding steps (`compile_config`, over a cache made by
+            `make_cache(model, compiled=True)`): a step on a full cache keeps every shape, writes in place (one
+            eviction a step) and reads nothing on the host.
     """
 
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
@@ -79,6 +82,7 @@ class Press:
     reads_step_queries: ClassVar[bool] = False
     reads_prompt_in_pieces: ClassVar[bool] = False
     joins_rows: ClassVar[bool] = False
+    compiled_decoding: ClassVar[bool] = False
 
     def __new__(cls, *args, **kwargs):
         """Refuse the common slips before the dataclass's own `__init__` does, with what to write instead."""
@@ -126,9 +130,15 @@ class Press:
         """Install on `model` for the duration of a `with` block."""
         return install(self, model)
 
-    def make_cache(self, model: torch.nn.Module) -> SparseCache:
-        """An empty cache for this press, to pass as `cache` (e.g. to reuse a compressed context)."""
-        return SparseCache(self, model.config)
+    def make_cache(self, model: torch.nn.Module, compiled: bool = False) -> SparseCache:
+        """An empty cache for this press, to pass as `cache` (e.g. to reuse a compressed context).
+
+        Args:
+            compiled: generate may compile the decoding steps over it (given a `compile_config`; a press whose
+                steps compile, `compiled_decoding`, and a model whose every layer it compresses). Default False:
+                generate decodes eagerly, whatever its `compile_config`.
+        """
+        return SparseCache(self, model.config, compiled)
 
     # --- factories ----------------------------------------------------------------------------------------------
     def new_layer(self, layer_idx: int) -> KVLayer:

@@ -41,6 +41,7 @@ class H2OPress(Press):
     block_size: int = 256
     captures_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row (sdpa, flash)
     joins_rows: ClassVar[bool] = True  # its scores follow their slots (`extra`)
+    compiled_decoding: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,28 +50,30 @@ class H2OPress(Press):
         self.block_size = check_number("H2OPress", "block_size", self.block_size, integer=True, low=1,
                                        unit="queries")
 
-    def recent_start(self, cache: SparseCache, length: int, device: torch.device) -> torch.Tensor:
-        """`(batch, 1, 1)` first position of each row's recent window once `length` tokens are seen, on `device`
-        (computed there: nothing is copied to it while decoding)."""
+    def recent_start(self, cache: SparseCache, length: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`(batch, 1, 1)` first position of each row's recent window once `length` tokens are seen (an int, or
+        a tensor on `device` of a shape that broadcasts, e.g. `(batch, heads, 1)`), on `device` (computed there:
+        nothing is copied to it while decoding)."""
         recent = (cache.on("budgets", device).double() * self.recent_ratio).round().long()
-        return (length - recent)[:, None, None]
+        return length - recent[:, None, None]
 
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
         h2o_step.plan(self, cache, forward)
 
     @staticmethod
-    def heavy_scores(received: torch.Tensor, positions: torch.Tensor, length: int,
+    def heavy_scores(received: torch.Tensor, positions: torch.Tensor, length: int | torch.Tensor,
                      start: torch.Tensor) -> torch.Tensor:
-        """Received attention over the queries that saw each token (`length` tokens seen: every slot was seen at
-        least once); tokens at or after `start` (the recent window) score +inf, always kept. Any leading
-        dimensions: one layer's `(batch, heads, slots)` or every layer's stacked."""
+        """Received attention over the queries that saw each token (`length` tokens seen, an int or a tensor that
+        broadcasts: every slot was seen at least once); tokens at or after `start` (the recent window) score +inf,
+        always kept. Any leading dimensions: one layer's `(batch, heads, slots)` or every layer's stacked."""
         scores = received / (length - positions)
         return scores.masked_fill_(positions >= start, float("inf"))
 
     def layer_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """One layer's scores: the recent window is the step's (planned), or at the prompt the prompt's."""
         plan = cache.forward.plan
-        start = plan.start if plan is not None else self.recent_start(cache, layer.logical_len, layer.device)
+        start = h2o_step.recent(self, cache, layer) if plan is not None else \
+            self.recent_start(cache, layer.logical_len, layer.device)
         return self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, start.to(layer.device))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:

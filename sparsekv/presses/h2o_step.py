@@ -21,7 +21,8 @@ class Step:
     """One decoding step's plan, shared by the layers of its forward (`forward.plan`).
 
     Attributes:
-        start: `(batch, 1, 1)` first position of each row's recent window.
+        start: first position of each row's recent window, `(batch, heads, 1)`: found by the first layer that
+            needs it (`recent`), once the forward's tokens are in; None before.
         budget: the largest row budget: a layer holding one slot more evicts one token per row and head.
         last: the forward's last compressed layer, which evicts for the layers waiting in `waiting`.
         budgets: `(batch,)` each row's budget (a row holding fewer real tokens fills a filler slot instead).
@@ -29,20 +30,29 @@ class Step:
         deferred: the layers (and their calls) whose attention row is recomputed after the last layer.
     """
 
-    start: torch.Tensor
     budget: int
     last: KVLayer
     budgets: torch.Tensor
+    start: torch.Tensor | None = None
     waiting: list[KVLayer] = field(default_factory=list)
     deferred: list[tuple[KVLayer, AttentionCall]] = field(default_factory=list)
 
 
 def plan(press, cache: SparseCache, forward: Forward) -> None:
-    """The recent window's start and the budget, found once for every layer (all layers see the same tokens)."""
+    """The budget and the layer that evicts for the others, found once for every layer."""
     layers = cache.compressed_layers()
     if cache.budgets is not None and layers:
-        start = press.recent_start(cache, layers[0].logical_len + forward.q_len, layers[0].device)
-        forward.plan = Step(start, cache.largest_budget, layers[-1], cache.on("budgets", layers[0].device))
+        forward.plan = Step(cache.largest_budget, layers[-1], cache.on("budgets", layers[0].device))
+
+
+def recent(press, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
+    """The step's recent window start, found once for every layer (all see the same tokens): from the newest
+    token's position, the layer's last slot once the forward's tokens are in (so no count of tokens is read on
+    the host, which a compiled step would be traced anew for)."""
+    step = cache.forward.plan
+    if step.start is None:
+        step.start = press.recent_start(cache, layer.positions[..., -1:] + 1, layer.device)
+    return step.start
 
 
 def waits(press, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> bool:
@@ -52,6 +62,7 @@ def waits(press, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> boo
     step = cache.forward.plan
     if cache.forward.q_len != 1 or layer.slots != step.budget + 1:
         return False
+    recent(press, cache, layer)
     step.waiting.append(layer)
     if not defer(step, layer, call, cache.forward):
         press.add_received(cache, layer, call)
@@ -101,7 +112,7 @@ def evict_together(press, step: Step) -> None:
     for layers in groups.values():
         positions = torch.stack([layer.positions for layer in layers])
         scores = press.heavy_scores(torch.stack([layer.extra["received"] for layer in layers]), positions,
-                                    layers[0].logical_len, step.start.to(positions.device))
+                                    positions[..., -1:] + 1, step.start.to(positions.device))
         valid = None if all(layer.all_valid for layer in layers) else torch.stack([layer.valid for layer in layers])
         budgets = None if valid is None else step.budgets.to(positions.device)
         victims = lowest_real(scores, valid, budgets)

@@ -34,6 +34,7 @@ class StreamingLLMPress(Press):
 
     n_sinks: int = 4
     joins_rows: ClassVar[bool] = True  # positions are all it reads, and they follow their slots
+    compiled_decoding: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()
