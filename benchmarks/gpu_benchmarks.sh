@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The GPU benchmarks (docs/gpu.md), in order of priority, inside a fixed deadline: the test matrix on CUDA;
+# The GPU benchmarks (docs/gpu.md), in order of priority, inside a fixed deadline: compiled decoding first
+# (generate's compiled steps against eager for the presses whose steps compile and for the oracle, on the 8B shape
+# at 32k tokens, batch 1, then its tests on CUDA, then batch 8: COMPILED_PRESSES, COMPILED_B8_PRESSES); the test
+# matrix on CUDA;
 # on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens, decode steps against the oracle at
 # batch 1 with host synchronisations counted, each step's ops by source line, a profile of a step per press (torch
 # and cProfile), the steps at batch 8, the largest
@@ -19,7 +22,7 @@ TOKENIZER=${1:?usage: gpu_benchmarks.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
 # the steps' names only
-STEPS=" ${*:-tests tests_more decode32k_b1 ops32k profile32k decode32k_b8 capacity32k capacity32k_apart chunked32k bench32k decode128k_b1} "
+STEPS=" ${*:-compiled32k_b1 compiled_tests compiled32k_b8 tests tests_more decode32k_b1 ops32k profile32k decode32k_b8 capacity32k capacity32k_apart chunked32k bench32k decode128k_b1} "
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -40,6 +43,16 @@ run() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+# No tokenizer: random prompts. Each compiled configuration compiles once (its first generation); perf_hints
+# says where CUDA graphs were skipped, and why.
+COMPILED=(--shape llama-3.1-8b --device cuda --dtype bfloat16 --length 32768 --new 20 --warmup 4 --repeats 2)
+TORCH_LOGS=perf_hints run compiled32k_b1 330 python3 -m benchmarks.compiled_decode "${COMPILED[@]}" --batch 1 \
+  --presses "${COMPILED_PRESSES:-streamingllm,h2o}" --json "$OUT/compiled32k_b1.json"
+run compiled_tests 100 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf --device cuda tests/test_compile.py
+# (H2O's prefill of a 32k row takes 11.5 s on an H100: four generations of 8 rows would take the step alone)
+TORCH_LOGS=perf_hints run compiled32k_b8 240 python3 -m benchmarks.compiled_decode "${COMPILED[@]}" --batch 8 \
+  --presses "${COMPILED_B8_PRESSES:-streamingllm}" --json "$OUT/compiled32k_b8.json"
 
 run tests 150 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n 8 --device cuda \
   tests/test_devices.py tests/test_core.py tests/test_generate_modes.py tests/test_chess.py \

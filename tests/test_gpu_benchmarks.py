@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import CHAT_TEMPLATE, make_tokenizer
 
-from benchmarks import chunked_prefill, decode_vs_oracle, profile_step, random_bench, step_ops
+from benchmarks import chunked_prefill, compiled_decode, decode_vs_oracle, profile_step, random_bench, step_ops
 from benchmarks.random_models import SHAPES, random_model
 
 
@@ -135,3 +135,17 @@ def test_sync_counting_reports_each_step_and_where(monkeypatch):
     assert per_step == [2, 0, 0]
     (site, n), = sites.items()
     assert n == 2 and site.startswith("llama/modeling_llama.py:") and "forward" in site
+
+
+def test_compiled_decode_on_a_random_model(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    compiled_decode.main([*SMALL, "--length", "200", "--new", "5", "--warmup", "1", "--repeats", "2", "--backend",
+                          "eager", "--presses", "streamingllm", "--json", str(out)])
+    rows = {(row["config"], row["mode"]): row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(c, m) for c in ("oracle", "streamingllm") for m in ("eager", "compiled")}
+    assert rows[("oracle", "eager")]["vs_oracle"] == rows[("oracle", "compiled")]["vs_oracle"] == 1.0
+    assert rows[("streamingllm", "eager")]["vs_eager"] == 1.0 and rows[("streamingllm", "eager")]["compile_s"] is None
+    assert rows[("streamingllm", "compiled")]["same_tokens"] is True
+    assert rows[("oracle", "compiled")]["same_tokens"] is True
+    assert all(row["steps"] == 2 * 3 and row["ms"] > 0 for row in rows.values())  # 5 tokens: 4 steps, 1 left out
+    assert "compiled by eager" in capsys.readouterr().out

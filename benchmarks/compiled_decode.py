@@ -1,0 +1,219 @@
+"""Decoding steps compiled by generate (its `compile_config`) against eager, under each press whose steps compile
+and for the oracle, timed inside `generate` itself.
+
+The oracle is the full model on the prompt's last `ratio * length` tokens: eager with transformers' dynamic
+cache, compiled with its static cache (what transformers compiles). A press runs on a cache it made, compiled on
+one made `press.make_cache(model, compiled=True)` (generate compiles over a cache it is given). Every
+configuration generates `--new` tokens from the same random prompt, `--repeats` times, the configurations
+interleaved so that they share the machine's load of the moment; a step is the interval between two tokens as a
+streamer receives them (the device synchronised), and the first `--warmup` steps are left out: a compiled
+generation traces and records there. A compiled configuration's compile time is its first generation's time
+beyond its median generation's.
+
+    python -m benchmarks.compiled_decode --shape host-bound --length 2048 --presses streamingllm,h2o
+    python -m benchmarks.compiled_decode --model smollm2-135m --length 4096 --presses streamingllm,h2o
+    python -m benchmarks.compiled_decode --shape llama-3.1-8b --device cuda --length 32768 --batch 1,8
+
+On a CPU, transformers compiles only when told to (`CompileConfig._compile_all_devices`), which this does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+from transformers import CompileConfig, StaticCache
+
+from sparsekv.cli import placement, placement_args
+from sparsekv.environment import environment
+from sparsekv.evaluation.presses import make_press
+from sparsekv.models import load_model
+from sparsekv.presses.registry import split_specs
+from sparsekv.table import format_table
+
+from .random_models import SHAPES, random_model
+
+
+class StepClock:
+    """A generate streamer that keeps the time each new token arrives (after the device caught up)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def steps(self, warmup: int) -> list[float]:
+        """Seconds of each decoding step after the first `warmup` (the first put is the prompt, the second the
+        prefill's token)."""
+        arrived = self.times[1:]
+        return [b - a for a, b in itertools.pairwise(arrived)][warmup:]
+
+
+def generation(model, ids: torch.Tensor, new: int, cache=None, compile_config=None) -> tuple[StepClock, float,
+                                                                                            torch.Tensor]:
+    """One greedy generation of `new` tokens: its step clock, its seconds and its tokens."""
+    clock = StepClock(ids.device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, cache=cache, compile_config=compile_config, streamer=clock,
+                         pad_token_id=0)
+    return clock, time.perf_counter() - start, out[:, ids.shape[1]:]
+
+
+def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new: int, config: CompileConfig):
+    """Per configuration name, a function that runs one generation of it: `(step clock, seconds, tokens)`."""
+    oracle_ids = ids[:, -max(1, round(ratio * ids.shape[1])):]
+    runs = {
+        "oracle eager": lambda: generation(model, oracle_ids, new),
+        "oracle compiled": lambda: generation(
+            model, oracle_ids, new, StaticCache(config=model.config, max_cache_len=oracle_ids.shape[1] + new),
+            config),
+    }
+    for spec in specs:
+        press = make_press(spec, ratio=ratio)
+
+        def run(press=press, compiled=False):
+            with press(model):
+                return generation(model, ids, new, press.make_cache(model, compiled),
+                                  config if compiled else None)
+
+        runs[f"{spec} eager"] = run
+        runs[f"{spec} compiled"] = lambda run=run: run(compiled=True)
+    return runs
+
+
+@torch.no_grad()
+def measure(model, ids: torch.Tensor, specs: list[str], ratio: float, new: int, warmup: int, repeats: int,
+            config: CompileConfig) -> list[dict]:
+    """One row per configuration: median step (ms) and quartiles, compile seconds, and whether the compiled
+    tokens equal the eager ones. A configuration that fails is left out of the table, its error printed (the
+    others still run: a GPU machine's minutes are few)."""
+    runs = configurations(model, ids, specs, ratio, new, config)
+    steps = {name: [] for name in runs}
+    seconds = {name: [] for name in runs}
+    tokens, failed = {}, set()
+    progress = tqdm(total=repeats * len(runs), desc=f"generations, batch {ids.shape[0]}")
+    for _ in range(repeats):
+        for name, run in runs.items():
+            progress.update()
+            if name in failed:
+                continue
+            try:
+                clock, took, out = run()
+            except Exception as err:  # noqa: BLE001 (reported, and the other configurations go on)
+                print(f"{name}, batch {ids.shape[0]}: failed: {type(err).__name__}: {err}"[:2000])
+                failed.add(name)
+                continue
+            steps[name] += clock.steps(warmup)
+            seconds[name].append(took)
+            tokens.setdefault(name, out)
+    progress.close()
+    eager = {name.removesuffix(" eager"): statistics.median(v) for name, v in steps.items()
+             if name.endswith("eager") and v}
+    rows = []
+    for name, v in steps.items():
+        base, kind = name.rsplit(" ", 1)
+        if not v:
+            continue
+        q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0]] * 3
+        ms = 1000 * statistics.median(v)
+        rows.append({
+            "config": base, "mode": kind, "batch": ids.shape[0], "length": ids.shape[1], "ms": ms,
+            "quartiles": f"{1000 * q[0]:.2f}-{1000 * q[2]:.2f}", "steps": len(v),
+            "vs_eager": ms / (1000 * eager[base]) if base in eager else None,
+            "compile_s": seconds[name][0] - statistics.median(seconds[name][1:]) if kind == "compiled" and
+            repeats > 1 else None,
+            "same_tokens": None if kind == "eager" or f"{base} eager" not in tokens else
+            bool(torch.equal(tokens[name], tokens[f"{base} eager"])),
+        })
+    oracle = {row["mode"]: row["ms"] for row in rows if row["config"] == "oracle"}
+    for row in rows:
+        row["vs_oracle"] = row["ms"] / oracle[row["mode"]] if row["mode"] in oracle else None
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or folder (default: %(default)s)")
+    source.add_argument("--shape", choices=SHAPES, help="a model of this shape with random weights (instead of "
+                                                        "--model), built on --device")
+    placement_args(parser)
+    parser.add_argument("--presses", default="streamingllm,h2o",
+                        help="comma-separated, with options as in `sparsekv bench` (default: %(default)s)")
+    parser.add_argument("--length", type=int, default=2048, help="prompt tokens (default: %(default)s)")
+    parser.add_argument("--batch", default="1", help="rows decoded together, comma-separated (default: 1)")
+    parser.add_argument("--ratio", type=float, default=0.1, help="fraction of the prompt's KV kept (default: 0.1)")
+    parser.add_argument("--new", type=int, default=32, help="tokens generated per generation (default: 32)")
+    parser.add_argument("--warmup", type=int, default=4, help="first steps left out (default: 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved generations per configuration "
+                                                              "(default: 3)")
+    parser.add_argument("--mode", default="reduce-overhead", help="torch.compile mode (default: %(default)s, "
+                        "transformers' own: CUDA graphs on a GPU; 'default' for none)")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (default: %(default)s; "
+                        "'eager' traces without generating code: a quick check, no speed)")
+    parser.add_argument("--cudnn-sdpa", action="store_true", help="let sdpa pick cuDNN attention (off by default, "
+                        "as in the other benchmarks: torch 2.11 rebuilds its plan for every new KV length, host "
+                        "time an eager step of a growing cache pays; docs/gpu.md)")
+    parser.add_argument("--json", metavar="FILE.json", help="write the rows and the environment")
+    parser.set_defaults(parser=parser)
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        parser.error(f"--batch: comma-separated integers; got {args.batch!r}.")
+    if not 0 < args.ratio <= 1:
+        parser.error(f"--ratio: a fraction in (0, 1]; got {args.ratio}.")
+    if min(batches) < 1 or args.new < args.warmup + 2 or args.repeats < 1 or args.warmup < 0:
+        parser.error("--batch and --repeats: at least 1; --warmup: at least 0; --new: at least --warmup + 2.")
+    device, dtype = placement(args)
+    if not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.shape:
+        model, name = random_model(args.shape, device, dtype, args.attn_implementation), f"{args.shape} (random)"
+    else:
+        model, name = load_model(args.model, dtype, args.attn_implementation, device_map=device)[0], args.model
+    # Each configuration adds its own graphs to the one compiled forward (generate compiles `model.__call__`, and
+    # dynamo keeps a graph per cache layout), more than dynamo's default limit of 8 per frame.
+    torch._dynamo.config.recompile_limit = 64
+    config = CompileConfig(backend=args.backend, mode=None if args.mode == "default" or args.backend != "inductor"
+                           else args.mode)
+    config._compile_all_devices = True  # (transformers compiles on a GPU only, unless told)
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(3, vocab, (1, args.length), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for batch in batches:
+        rows += measure(model, prompt.expand(batch, -1).to(model.device), split_specs(args.presses), args.ratio,
+                        args.new, args.warmup, args.repeats, config)
+    env = environment(model.device)
+    print(f"{name}, {env['device_name']}, {str(dtype).removeprefix('torch.')}, {args.attn_implementation}, "
+          f"{args.length}-token prompt, ratio {args.ratio}, compiled by {args.backend} ({config.mode or 'default'}); "
+          f"{args.repeats} generations of "
+          f"{args.new} tokens per configuration, the first {args.warmup} steps left out")
+    print(format_table(rows, [
+        ("config", "config", ""), ("mode", "mode", ""), ("batch", "batch", ""), ("ms/step", "ms", ".2f"),
+        ("quartiles", "quartiles", ""), ("steps", "steps", ""), ("/ eager", "vs_eager", ".3f"),
+        ("/ oracle (same mode)", "vs_oracle", ".3f"), ("compile s", "compile_s", ".1f"),
+        ("tokens = eager", "same_tokens", "")]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, "length": args.length, "ratio": args.ratio, "new": args.new,
+                       "warmup": args.warmup, "repeats": args.repeats, "backend": args.backend,
+                       "cudnn_sdpa": args.cudnn_sdpa,
+                       "mode": config.mode, "dtype": str(dtype),
+                       "environment": env, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
