@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import CompileConfig, StaticCache
 
 from sparsekv.cli import placement, placement_args
+from sparsekv.cli.args import csv
 from sparsekv.environment import environment
 from sparsekv.evaluation.presses import make_press
 from sparsekv.models import load_model
@@ -153,7 +154,8 @@ def main(argv=None):
     parser.add_argument("--presses", default="streamingllm,h2o",
                         help="comma-separated, with options as in `sparsekv bench` (default: %(default)s)")
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens (default: %(default)s)")
-    parser.add_argument("--batch", default="1", help="rows decoded together, comma-separated (default: 1)")
+    parser.add_argument("--batch", type=csv(int), default=[1], help="rows decoded together, comma-separated "
+                                                                   "(default: 1)")
     parser.add_argument("--ratio", type=float, default=0.1, help="fraction of the prompt's KV kept (default: 0.1)")
     parser.add_argument("--new", type=int, default=32, help="tokens generated per generation (default: 32)")
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out (default: 4)")
@@ -169,14 +171,11 @@ def main(argv=None):
     parser.add_argument("--json", metavar="FILE.json", help="write the rows and the environment")
     parser.set_defaults(parser=parser)
     args = parser.parse_args(argv)
-    try:
-        batches = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        parser.error(f"--batch: comma-separated integers; got {args.batch!r}.")
-    if not 0 < args.ratio <= 1:
-        parser.error(f"--ratio: a fraction in (0, 1]; got {args.ratio}.")
+    batches = args.batch
     if min(batches) < 1 or args.new < args.warmup + 2 or args.repeats < 1 or args.warmup < 0:
         parser.error("--batch and --repeats: at least 1; --warmup: at least 0; --new: at least --warmup + 2.")
+    if not 0 < args.ratio <= 1:
+        parser.error(f"--ratio: a fraction in (0, 1]; got {args.ratio}.")
     device, dtype = placement(args)
     if not args.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -38,6 +38,7 @@ from .architectures import COMPRESSED_LAYER_TYPES, rotary
 from .attention import AttentionCall, StepRope
 from .join import join_caches
 from .layers import KVLayer
+from .masks import check_left_padded, padding_mask, physical_mask
 from .pieces import PromptPieces
 from .state import RowState, row_index
 from .stats import CacheStats, cache_stats, prompt_kept
@@ -122,9 +123,8 @@ class SparseCache(RowState, Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """Whether generate compiles its decoding forward over this cache when given a `compile_config`: when it
-        was made `compiled`. generate then gives every forward a 4D mask it builds from the layers' sizes
-        (`padding_mask` reads a prompt's padding from it)."""
+        """generate compiles its decoding steps over a `compiled` cache (given a `compile_config`), and gives
+        its forwards 4D masks (`masks.padding_mask`)."""
         return self.compiled
 
     def on(self, name: str, device: torch.device | str) -> torch.Tensor:
@@ -300,11 +300,9 @@ class SparseCache(RowState, Cache):
         self.forward = None
 
     def ready_for_steps(self) -> None:
-        """After a forward of several tokens (a prompt, a continued one) on a `compiled` cache, or rows joined
-        into one: what a step reads is made now, eagerly: the row tensors' copies on each layer's device (`on`,
-        `largest_budget`) and each full layer's room for a step's token (`KVLayer.make_step_room`). A compiled step
-        finds them as they are at every step (dynamo guards on what it reads), so it is traced once, and makes no
-        copy, no buffer and no host read of its own."""
+        """After a forward of several tokens on a `compiled` cache (or rows joined into one), what its steps read
+        is made, eagerly: the row tensors on each layer's device (`on`, `largest_budget`), each full layer's room
+        for a step's token (`KVLayer.make_step_room`). A compiled step then finds them alike at every step."""
         if self.budgets is None:
             return
         for layer in self.compressed_layers():
@@ -400,58 +398,3 @@ def check_compiled(press, layers: list) -> None:
         raise ValueError(f"compiled: this model mixes in layers {name} does not compress (sliding-window or "
                          "linear attention), which keep transformers' growing cache: generate cannot compile its "
                          "steps; make the cache without compiled=True.")
-
-
-def padding_mask(mask, first: bool) -> torch.Tensor | None:
-    """A forward's `attention_mask` as the 2D `(batch, kv)` mask of which tokens are real, or None.
-
-    generate gives a compiled cache's forwards 4D masks `(batch, 1, q, kv)` (boolean or additive; per layer
-    type in a dict for models that mix them): at a first forward their keys are the prompt, and the last query's
-    row, which sees every earlier key causally and no padding, tells which are real. A later forward's are read
-    as None (every new token real, as generate's steps are): its columns follow the logical layout, not the
-    slots a compressed layer holds."""
-    if isinstance(mask, dict):
-        mask = mask.get("full_attention")
-    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 4):
-        return None
-    if mask.ndim == 4:
-        if not first:
-            return None
-        row = mask[:, 0, -1]
-        return row if row.dtype == torch.bool else row == 0
-    return mask
-
-
-def check_left_padded(attention_mask: torch.Tensor) -> None:
-    """Refuse a 2D attention mask with padding after a real token (right padding, or gaps): a press counts each
-    row's tokens from its first real one, as generate pads decoder-only models (on the left)."""
-    mask = attention_mask.bool()
-    late = mask[:, :-1] & ~mask[:, 1:]  # a real token followed by padding
-    if bool(late.any()):
-        row = int(late.any(-1).long().argmax())
-        raise ValueError(f"attention_mask: row {row} has padding after its first real token (padded on the right?); "
-                         "sparsekv needs prompts padded on the left, as decoder-only generation does: set "
-                         "`tokenizer.padding_side = \"left\"` before tokenizing.")
-
-
-def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, dtype: torch.dtype):
-    """The attention mask of a compressed layer: past slots by validity, new tokens causal among themselves.
-
-    Returns what the attention implementation expects: None when nothing is masked; a 2D `(batch, kv)` mask for
-    flash attention (it aligns causality bottom-right, which matches new tokens appended last); a 4D boolean
-    mask for sdpa; a 4D additive float mask for eager.
-    """
-    q = new_valid.shape[1]
-    kv_valid = torch.cat([past_valid, new_valid.to(past_valid.device)], dim=-1)
-    # Compiling, the mask is kept even where every slot is real: whether they are is a host read.
-    mask_all = torch.compiler.is_compiling()
-    if impl.startswith("flash"):
-        return None if not mask_all and bool(kv_valid.all()) else kv_valid
-    if q == 1 and not mask_all and bool(kv_valid.all()):
-        return None
-    n = past_valid.shape[1]
-    mask = kv_valid[:, None, None, :].repeat(1, 1, q, 1)
-    mask[..., n:] &= torch.ones(q, q, dtype=torch.bool, device=mask.device).tril()
-    if impl == "eager":
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    return mask
