@@ -108,10 +108,9 @@ class StepViews:
         self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
-        if not torch.compiler.is_compiling():  # steps write into them in place: CUDA graphs may take them as
-            for views in (self.grown, self.held, self.newest):  # they are, not copy them in at every replay
-                for t in views.values():
-                    torch._dynamo.mark_static_address(t)
+        if not torch.compiler.is_compiling():  # a compiled step writes into the buffers in place (its only
+            for t in self.grown.values():  # inputs of them, `slot_n`): CUDA graphs take them as they are
+                torch._dynamo.mark_static_address(t)
 
     def _are(self, views: dict, layer) -> bool:
         return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is

@@ -197,8 +197,8 @@ class SparseCache(RowState, Cache):
                 "same way first (`cache.batch_repeat_interleave(n)`).")
         self.forward = Forward(input_ids, valid, q_len, first=first, pieces_left=pieces_left,
                                continues_prompt=not first and not piece and q_len > 1 and not draft)
-        if not torch.compiler.is_compiling():  # eager code reads the count of tokens seen at every layer
-            for layer in self.compressed_layers():
+        if self.compiled and not torch.compiler.is_compiling():  # eager code reads the count at every layer
+            for layer in self.compressed_layers():  # (only a compiled cache's steps count on the device)
                 layer.settle()
         if first and pieces_left:
             self.pieces = PromptPieces(self.press.prompt_tail())

@@ -202,6 +202,7 @@ class KVLayer(RowState, CacheLayerMixin):
         step cannot make room, `_append`). The free slot holds the newest position, as after an eviction."""
         if self._views is not None and self._views.held_by(self):
             return
+
         def grown(t: torch.Tensor) -> torch.Tensor:
             return padded(t, slot_dim(t), t.shape[slot_dim(t)] + 1, 0)
 

@@ -21,8 +21,8 @@ class Step:
     """One decoding step's plan, shared by the layers of its forward (`forward.plan`).
 
     Attributes:
-        start: first position of each row's recent window, `(batch, heads, 1)`: found by the first layer that
-            needs it (`recent`), once the forward's tokens are in; None before.
+        length: tokens seen once this forward's are in, `(batch, heads, 1)`, and `start`, the first position of
+            each row's recent window: found by the first layer that needs them (`recent`); None before.
         budget: the largest row budget: a layer holding one slot more evicts one token per row and head.
         last: the forward's last compressed layer, which evicts for the layers waiting in `waiting`.
         budgets: `(batch,)` each row's budget (a row holding fewer real tokens fills a filler slot instead).
@@ -33,6 +33,7 @@ class Step:
     budget: int
     last: KVLayer
     budgets: torch.Tensor
+    length: torch.Tensor | None = None
     start: torch.Tensor | None = None
     waiting: list[KVLayer] = field(default_factory=list)
     deferred: list[tuple[KVLayer, AttentionCall]] = field(default_factory=list)
@@ -46,12 +47,13 @@ def plan(press, cache: SparseCache, forward: Forward) -> None:
 
 
 def recent(press, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
-    """The step's recent window start, found once for every layer (all see the same tokens): from the newest
-    token's position, the layer's last slot once the forward's tokens are in (so no count of tokens is read on
-    the host, which a compiled step would be traced anew for)."""
+    """The step's recent window start (and `step.length`, the count it is found from), once for every layer (all
+    see the same tokens): from the newest token's position, the layer's last slot once the forward's tokens are
+    in (so no count of tokens is read on the host, which a compiled step would be traced anew for)."""
     step = cache.forward.plan
     if step.start is None:
-        step.start = press.recent_start(cache, layer.positions[..., -1:] + 1, layer.device)
+        step.length = layer.positions[..., -1:] + 1
+        step.start = press.recent_start(cache, step.length, layer.device)
     return step.start
 
 
@@ -112,7 +114,7 @@ def evict_together(press, step: Step) -> None:
     for layers in groups.values():
         positions = torch.stack([layer.positions for layer in layers])
         scores = press.heavy_scores(torch.stack([layer.extra["received"] for layer in layers]), positions,
-                                    positions[..., -1:] + 1, step.start.to(positions.device))
+                                    step.length.to(positions.device), step.start.to(positions.device))
         valid = None if all(layer.all_valid for layer in layers) else torch.stack([layer.valid for layer in layers])
         budgets = None if valid is None else step.budgets.to(positions.device)
         victims = lowest_real(scores, valid, budgets)
