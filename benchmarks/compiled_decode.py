@@ -3,15 +3,16 @@ and for the oracle, timed inside `generate` itself.
 
 The oracle is the full model on the prompt's last `ratio * length` tokens: eager with transformers' dynamic
 cache, compiled with its static cache (what transformers compiles). A press runs on a cache it made, compiled on
-one made `press.make_cache(model, compiled=True)` (generate compiles over a cache it is given). Every
+one made `press.make_cache(model, compiled=True, max_new_tokens=--new)` (generate compiles over a cache it is
+given). Every
 configuration generates `--new` tokens from the same random prompt, `--repeats` times, the configurations
 interleaved so that they share the machine's load of the moment; a step is the interval between two tokens as a
 streamer receives them (the device synchronised), and the first `--warmup` steps are left out: a compiled
 generation traces and records there. A compiled configuration's compile time is its first generation's time
 beyond its median generation's.
 
-    python -m benchmarks.compiled_decode --shape host-bound --length 2048 --presses streamingllm,h2o
-    python -m benchmarks.compiled_decode --model smollm2-135m --length 4096 --presses streamingllm,h2o
+    python -m benchmarks.compiled_decode --shape host-bound --length 2048 --presses streamingllm,h2o,snapkv,chunkkv
+    python -m benchmarks.compiled_decode --model smollm2-135m --length 4096 --presses streamingllm,h2o,snapkv,chunkkv
     python -m benchmarks.compiled_decode --shape llama-3.1-8b --device cuda --length 32768 --batch 1,8
 
 On a CPU, transformers compiles only when told to (`CompileConfig._compile_all_devices`), which this does.
@@ -86,8 +87,8 @@ def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new
 
         def run(press=press, compiled=False):
             with press(model):
-                return generation(model, ids, new, press.make_cache(model, compiled),
-                                  config if compiled else None)
+                cache = press.make_cache(model, compiled, max_new_tokens=new if compiled else None)
+                return generation(model, ids, new, cache, config if compiled else None)
 
         runs[f"{spec} eager"] = run
         runs[f"{spec} compiled"] = lambda run=run: run(compiled=True)
@@ -151,7 +152,7 @@ def main(argv=None):
     source.add_argument("--shape", choices=SHAPES, help="a model of this shape with random weights (instead of "
                                                         "--model), built on --device")
     placement_args(parser)
-    parser.add_argument("--presses", default="streamingllm,h2o",
+    parser.add_argument("--presses", default="streamingllm,h2o,snapkv,chunkkv",
                         help="comma-separated, with options as in `sparsekv bench` (default: %(default)s)")
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--batch", type=csv(int), default=[1], help="rows decoded together, comma-separated "
@@ -179,6 +180,10 @@ def main(argv=None):
     device, dtype = placement(args)
     if not args.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
+    # Several configurations compile in one process: each its own static shapes. Dynamo would otherwise make the
+    # sizes that differ between them symbolic at the second (automatic dynamic shapes), and inductor 2.11 fails to
+    # guard some of those (an IndexError in `produce_guards`, seen on an H200).
+    torch._dynamo.config.automatic_dynamic_shapes = False
     if args.shape:
         model, name = random_model(args.shape, device, dtype, args.attn_implementation), f"{args.shape} (random)"
     else:

@@ -85,6 +85,14 @@ def allocated(t: torch.Tensor) -> torch.Tensor:
     return t if room is None else room
 
 
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """The index of the first True along the last dimension of `mask`, or its size where there is none: a
+    minimum over indices, not an `argmax` over booleans, which inductor compiles wrongly (pytorch/pytorch#174069,
+    #184893: indices past the end, seen as a device-side assertion on an H200)."""
+    n = mask.shape[-1]
+    return torch.where(mask, torch.arange(n, device=mask.device), n).amin(dim=-1)
+
+
 def victim_indices(victim: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`victim` `(..., batch, heads)` as scatter indices into a layer's tensors: `(..., batch, heads, 1)` for the
     per-slot ones, `(..., batch, heads, 1, width)` for keys and values. Leading dimensions make them for several

@@ -93,13 +93,15 @@ class SparseCache(RowState, Cache):
         budgets: `(batch,)` tokens kept per row, set by the press at prefill (`Press.row_budgets`).
         state: the press's per-generation state (`Press.new_state`), a `RowState` or None.
         compiled: generate may compile its decoding steps over this cache (`is_compileable`; `Press.make_cache`).
+        max_new_tokens: a `compiled` cache's room for the tokens each generation adds after its prompt, under a
+            press that keeps them all (`Press.holds_budget_while_decoding` False); None otherwise.
         forward: the `Forward` under way, None between forwards.
         seconds: time spent in press work, "compress" and "step" (for `stats`); counts: press events by kind.
     """
 
     shared_state = frozenset({"layers", "press", "config", "forward", "shared", "seconds", "counts"})
 
-    def __init__(self, press, config, compiled: bool = False):
+    def __init__(self, press, config, compiled: bool = False, max_new_tokens: int | None = None):
         text_config = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
@@ -107,9 +109,7 @@ class SparseCache(RowState, Cache):
             for i, (t, kw) in enumerate(zip(types, kwargs))
         ]
         super().__init__(layers=layers)
-        self.press, self.config, self.compiled = press, config, compiled
-        if compiled:
-            check_compiled(press, layers)
+        self.press, self.config, self.compiled, self.max_new_tokens = press, config, compiled, max_new_tokens
         self.forward: Forward | None = None
         self.pieces: PromptPieces | None = None  # a prompt read in pieces, until its last
         self.prompt_lengths: torch.Tensor | None = None
@@ -281,6 +281,8 @@ class SparseCache(RowState, Cache):
             self.press.compress(self, layer, call)
         else:
             self.press.after_step(self, layer, call)
+            if self.compiled and not self.press.holds_budget_while_decoding():
+                layer.keep_step_token()  # the step's token to a free slot: the layer keeps its shape
             kind = "step"
         self.timed(kind, start)
 
@@ -301,15 +303,18 @@ class SparseCache(RowState, Cache):
 
     def ready_for_steps(self) -> None:
         """After a forward of several tokens on a `compiled` cache (or rows joined into one), what its steps read
-        is made, eagerly: the row tensors on each layer's device (`on`, `largest_budget`), each full layer's room
-        for a step's token (`KVLayer.make_step_room`). A compiled step then finds them alike at every step."""
+        is made, eagerly: the row tensors on each layer's device (`on`, `largest_budget`), and each layer's room
+        (`KVLayer.make_step_room`): free slots up to the budget under a press that holds it while decoding (then
+        one eviction a step), else for `max_new_tokens` more tokens. A compiled step then finds them alike at every
+        step, and every layer keeps its shape."""
         if self.budgets is None:
             return
+        holds = self.press.holds_budget_while_decoding()
         for layer in self.compressed_layers():
             for name in ("prompt_start", "budgets"):
                 self.on(name, layer.device)
-            if layer.slots == self.largest_budget:
-                layer.make_step_room()
+            layer.make_step_room(self.largest_budget - layer.slots if holds
+                                 else self.max_new_tokens - layer.free_slots())
 
     def _open_forward(self, layer_idx: int) -> Forward:
         forward = self.forward
@@ -358,7 +363,7 @@ class SparseCache(RowState, Cache):
 
     def reset(self) -> None:
         """Empty, as a new cache for the same press and model: every layer and all press state start anew."""
-        self.__init__(self.press, self.config, self.compiled)
+        self.__init__(self.press, self.config, self.compiled, self.max_new_tokens)
 
     def stats(self) -> CacheStats:
         """What the cache holds now (see `CacheStats`)."""
@@ -386,15 +391,3 @@ def clock() -> float | None:
     """Now, to time press work (`SparseCache.seconds`); None inside a compiled forward, whose press work is not
     timed: the clock is not traced (a graph break at every layer), and a compiled graph runs as one piece."""
     return None if torch.compiler.is_compiling() else time.perf_counter()
-
-
-def check_compiled(press, layers: list) -> None:
-    """Refuse a `compiled` cache that generate could not compile, or whose steps would not keep their shapes."""
-    name = type(press).__name__
-    if not press.compiled_decoding:
-        raise ValueError(f"compiled: {name}'s decoding steps do not compile yet (StreamingLLM's and H2O's do); make "
-                         "its cache without compiled=True: generate then decodes eagerly.")
-    if not all(isinstance(layer, KVLayer) for layer in layers):
-        raise ValueError(f"compiled: this model mixes in layers {name} does not compress (sliding-window or "
-                         "linear attention), which keep transformers' growing cache: generate cannot compile its "
-                         "steps; make the cache without compiled=True.")

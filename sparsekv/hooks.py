@@ -99,7 +99,7 @@ def _before_model(inst: Installation, module, args, kwargs):
     elif not isinstance(cache, SparseCache):
         refuse_cache(inst, cache)
         return None
-    elif cache.press != inst.press:
+    elif cache.press is not inst.press and cache.press != inst.press:  # (an equal press may continue it)
         raise ValueError(f"cache: it was built under {cache.press!r}, and this block installs {inst.press!r}; a "
                          "cache holds its press's selection and state, so continue it under the press that built it "
                          "(or start a new cache: pass none, or `press.make_cache(model)`).")

@@ -39,7 +39,7 @@ def join_caches(caches: list, consume: bool = False):
                          "prompts to one length (with their attention mask) before prefilling them apart.")
     if len({c.budgets is None for c in caches}) > 1:
         raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
-    out = type(first)(press, first.config, first.compiled)
+    out = type(first)(press, first.config, first.compiled, first.max_new_tokens)
     out.layers = join_layers(caches, consume)
     for name in ("prompt_lengths", "prompt_start", "budgets"):
         values = [getattr(c, name) for c in caches]

@@ -17,7 +17,7 @@ import copy
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .buffers import StepViews, allocated, append_in_place, slot_dim, victim_indices
+from .buffers import StepViews, allocated, append_in_place, first_true, slot_dim, victim_indices
 from .state import RowState, padded
 
 
@@ -196,22 +196,46 @@ class KVLayer(RowState, CacheLayerMixin):
             scores = scores.masked_fill(self.positions >= self.logical_len - self.new_tokens, float("inf"))
         self.keep(scores.masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
 
-    def make_step_room(self) -> None:
-        """Hold the slots in buffers with room for one more, with their step views (`StepViews`), unless they are
-        held so already: a decoding step then writes its token in place from the first, compiled too (a compiled
-        step cannot make room, `_append`). The free slot holds the newest position, as after an eviction."""
-        if self._views is not None and self._views.held_by(self):
+    def make_step_room(self, free: int = 0) -> None:
+        """Hold the slots in buffers with `free` more free slots (fillers: invalid, never attended) and one for a
+        step's token, with their step views (`StepViews`), unless they are held so already: a decoding step then
+        writes its token in place from the first and the layer keeps its shape at every step, compiled too (a
+        compiled step cannot make room, `_append`). The step's token is kept by an eviction, of a real token (a
+        press that holds its budget) or of a free slot (`keep_step_token`). The slot for it holds the newest
+        position, as after an eviction."""
+        if free <= 0 and self._views is not None and self._views.held_by(self):
             return
+        free = max(free, 0)
 
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            return padded(t, slot_dim(t), t.shape[slot_dim(t)] + 1, 0)
+        def grown(t: torch.Tensor, fill) -> torch.Tensor:
+            return padded(t, slot_dim(t), t.shape[slot_dim(t)] + free + 1, fill)
 
-        self.keys, self.values, self.valid = grown(self.keys), grown(self.values), grown(self.valid)
-        self.positions = grown(self.positions)
+        self.keys, self.values, self.valid = grown(self.keys, 0), grown(self.values, 0), grown(self.valid, False)
+        self.positions = grown(self.positions, 0)
         self.positions[..., -1] = self.logical_len - 1
-        self.extra = {name: grown(t) for name, t in self.extra.items()}
+        self.extra = {name: grown(t, 0) for name, t in self.extra.items()}
+        if free:
+            self.compressed, self.all_valid = True, False
         self._views = StepViews(self)
         self._views.hold(self)
+
+    def free_slots(self) -> int:
+        """Free (filler) slots of the row that has fewest (a host read)."""
+        return self.slots - int(self.valid.sum(-1).max()) if self.slots else 0
+
+    def keep_step_token(self) -> None:
+        """A decoding step's token that the press did not make room for by an eviction (it keeps every token while
+        decoding) moves from the step's slot into its row's first free slot: the layer keeps its shape (a compiled
+        cache, `make_step_room`). With no free slot left, a device-side error (no host read: the step may be a
+        compiled graph), never an overwritten token."""
+        views = self._views
+        if views is None or not views.grown_by(self):
+            return
+        free = ~views.held_valid()
+        torch._assert_async(free.any(-1).all(), "sparsekv: a compiled cache has no free slot left for this step's "
+                            "token: make it with max_new_tokens at least generate's (`make_cache(model, "
+                            "compiled=True, max_new_tokens=...)`).")
+        self.evict(first_true(free)[:, None].expand(-1, self.keys.shape[1]))
 
     def past_valid(self) -> torch.Tensor:
         """`valid`, for a mask built before a step's token is in: compiling, read through the step views' buffer
@@ -371,6 +395,6 @@ def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None, budgets: torch
     victim = scores.masked_fill(~valid[..., None, :], float("inf")).argmin(dim=-1)
     if budgets is not None:
         room = valid.sum(-1) <= budgets  # (..., batch)
-        filler = (~valid).to(torch.int8).argmax(dim=-1)
+        filler = first_true(~valid)
         victim = torch.where(room[..., None], filler[..., None], victim)
     return victim

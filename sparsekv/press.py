@@ -66,8 +66,8 @@ class Press:
             `sparsekv.prefill_rows`): every piece of its state is per row, laid out alike in every row's cache
             or padded to the widest by its state's `joined` (SentenceKV's stores and sentences).
         compiled_decoding: generate may compile the decoding steps (`compile_config`, over a cache made by
-            `make_cache(model, compiled=True)`): a step on a full cache keeps every shape, writes in place (one
-            eviction a step) and reads nothing on the host.
+            `make_cache(model, compiled=True)`): a step keeps every shape (its token takes a free slot or an
+            evicted token's, `holds_budget_while_decoding`), writes in place and reads nothing on the host.
     """
 
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
@@ -130,15 +130,27 @@ class Press:
         """Install on `model` for the duration of a `with` block."""
         return install(self, model)
 
-    def make_cache(self, model: torch.nn.Module, compiled: bool = False) -> SparseCache:
+    def make_cache(self, model: torch.nn.Module, compiled: bool = False, max_new_tokens: int | None = None
+                   ) -> SparseCache:
         """An empty cache for this press, to pass as `cache` (e.g. to reuse a compressed context).
 
         Args:
             compiled: generate may compile the decoding steps over it (given a `compile_config`; a press whose
                 steps compile, `compiled_decoding`, and a model whose every layer it compresses). Default False:
                 generate decodes eagerly, whatever its `compile_config`.
+            max_new_tokens: with `compiled`, under a press that keeps every generated token (SnapKV, ChunkKV):
+                the most tokens a generation adds after its prompt (generate's `max_new_tokens`), for which each
+                layer holds free slots, so that every step keeps its shapes. Required there (no default: too few
+                is an error at the step that finds no room, too many costs memory and attention over masked
+                slots); not used by a press that holds its budget while decoding (StreamingLLM, H2O).
         """
-        return SparseCache(self, model.config, compiled)
+        if max_new_tokens is not None:
+            max_new_tokens = check_number(type(self).__name__, "max_new_tokens", max_new_tokens, integer=True,
+                                          low=1, unit="tokens")
+        cache = SparseCache(self, model.config, compiled, max_new_tokens)
+        if compiled:
+            check_compiled(self, cache.layers, max_new_tokens)
+        return cache
 
     # --- factories ----------------------------------------------------------------------------------------------
     def new_layer(self, layer_idx: int) -> KVLayer:
@@ -168,6 +180,11 @@ class Press:
 
     def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
         """After each model forward, with its next-token `logits` `(batch, q, vocab)`."""
+
+    def holds_budget_while_decoding(self) -> bool:
+        """Whether decoding steps evict to hold each row's budget (a layer then holds at most its budget and a
+        step's token); False (the default): every generated token is kept, and the cache grows."""
+        return False
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """The tokens at positions `length` and after (the last forward's) are rejected: forget what they added to
@@ -255,3 +272,19 @@ class ScorerPress(Press):
         scores = self.score(cache, layer, call)
         scores = scores.masked_fill(~call.valid()[:, None, :], float("-inf"))
         layer.keep(scores, budgets)
+
+
+def check_compiled(press, layers: list, max_new_tokens: int | None) -> None:
+    """Refuse a `compiled` cache that generate could not compile, or whose steps would not keep their shapes."""
+    name = type(press).__name__
+    if not press.compiled_decoding:
+        raise ValueError(f"compiled: {name}'s decoding steps do not compile yet (StreamingLLM's, H2O's, SnapKV's and "
+                         "ChunkKV's do); make its cache without compiled=True: generate then decodes eagerly.")
+    if max_new_tokens is None and not press.holds_budget_while_decoding():
+        raise ValueError(f"max_new_tokens: {name} keeps every generated token, so a compiled cache makes room for "
+                         "them after the prompt: give the most a generation adds (generate's max_new_tokens), "
+                         "`make_cache(model, compiled=True, max_new_tokens=...)`.")
+    if not all(isinstance(layer, KVLayer) for layer in layers):
+        raise ValueError(f"compiled: this model mixes in layers {name} does not compress (sliding-window or "
+                         "linear attention), which keep transformers' growing cache: generate cannot compile its "
+                         "steps; make the cache without compiled=True.")

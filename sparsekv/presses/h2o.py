@@ -57,6 +57,9 @@ class H2OPress(Press):
         recent = (cache.on("budgets", device).double() * self.recent_ratio).round().long()
         return length - recent[:, None, None]
 
+    def holds_budget_while_decoding(self) -> bool:
+        return self.ratio != 1.0  # (1.0 keeps everything, decoding included)
+
     def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
         h2o_step.plan(self, cache, forward)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ class SnapKVPress(ScorerPress):
     window_size: int = 32
     kernel_size: int = 15
     pooling: str = "max"
+    compiled_decoding: ClassVar[bool] = True  # its steps append only (a compiled cache's free slots)
 
     def __post_init__(self):
         super().__post_init__()

@@ -45,6 +45,9 @@ class StreamingLLMPress(Press):
     def prompt_tail(self) -> int | None:
         return 0  # positions only
 
+    def holds_budget_while_decoding(self) -> bool:
+        return self.ratio != 1.0  # (1.0 keeps everything, decoding included)
+
     def recency(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
         """Newer is higher; sinks (each row's first real tokens) and filler slots are never evicted."""
         start = cache.on("prompt_start", layer.positions.device)[:, None, None]
