@@ -265,3 +265,29 @@ def test_first_true_finds_the_first_free_slot():
     from sparsekv.buffers import first_true
     mask = torch.tensor([[False, False, True, True], [True, False, False, False], [False] * 4])
     assert first_true(mask).tolist() == [2, 0, 4]
+
+
+@pytest.mark.parametrize("mode", ["beam", "prompt-lookup", "sample"])
+@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25)],
+                         ids=lambda p: p.label())
+@torch.no_grad()
+def test_other_generate_modes_on_a_compiled_cache(press, mode):
+    """A compiled cache under beam search (generate decodes it eagerly, reordering its rows), prompt lookup (it
+    compiles the draft verifications, several tokens a forward, then crops) and sampling gives the tokens of a
+    cache not made compiled."""
+    model = make_model("llama")
+    options = {"beam": {"num_beams": 3}, "prompt-lookup": {"prompt_lookup_num_tokens": 3},
+               "sample": {"do_sample": True, "top_k": 5}}[mode]
+    config = CompileConfig(backend=count_graphs([]), mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    outs = []
+    try:
+        with press(model):
+            for cache, compile_config in ((press.make_cache(model), None), (compiled_cache(model, press), config)):
+                torch.manual_seed(0)
+                outs.append(model.generate(prompt(64), max_new_tokens=8, min_new_tokens=8, pad_token_id=0,
+                                           cache=cache, compile_config=compile_config, **options))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(outs[0], outs[1])
