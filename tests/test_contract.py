@@ -15,7 +15,8 @@ PRESSES = ROOT / "sparsekv" / "presses"
 NAMED = {"cache", "layer", "call", "forward"}  # what the phases' arguments are called in every press file
 # The helpers a press inherits (not the phases and factories it overrides).
 PHASES = {"new_layer", "new_state", "begin_forward", "before_attention", "on_queries", "compress", "after_step",
-          "end_forward", "crop", "read_piece", "prompt_tail", "min_kept", "score", "label", "make_cache"}
+          "end_forward", "crop", "read_piece", "prompt_tail", "min_kept", "score", "label", "make_cache",
+          "holds_budget_while_decoding"}
 HELPERS = {name for cls in (Press, ScorerPress) for name, value in vars(cls).items()
            if not name.startswith("_") and name not in PHASES
            and (callable(value) or isinstance(value, (staticmethod, classmethod)))}

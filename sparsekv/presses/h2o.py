@@ -81,7 +81,7 @@ class H2OPress(Press):
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
-        if self.ratio == 1.0:  # everything kept, decoding included: nothing to score
+        if not self.holds_budget_while_decoding():  # everything kept, decoding included: nothing to score
             layer.extra.pop("received", None)  # (a prompt read in pieces) as in one forward
             return
         # The prompt's received attention does not depend on the budget: replays of one prompt share it. A prompt
@@ -119,7 +119,7 @@ class H2OPress(Press):
         """Algorithm 1 at a decoding step: the attention the step's queries give every slot joins what each
         received, and a row over its budget evicts its lowest-scored tokens. A one-token step on a full cache
         does both for every layer at once, after the last (`h2o_step`)."""
-        if self.ratio != 1.0 and not h2o_step.waits(self, cache, layer, call):  # (ratio=1.0 keeps everything)
+        if self.holds_budget_while_decoding() and not h2o_step.waits(self, cache, layer, call):
             self.add_received(cache, layer, call)
             self.hold_budget(cache, layer, self.layer_scores(cache, layer))
         h2o_step.finish(self, cache, layer)

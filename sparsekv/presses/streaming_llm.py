@@ -61,7 +61,7 @@ class StreamingLLMPress(Press):
             layer.keep(scores, budgets)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if self.ratio == 1.0:  # everything kept, decoding included
+        if not self.holds_budget_while_decoding():  # everything kept, decoding included
             return
         if cache.forward.q_len == 1 and layer.slots == cache.largest_budget + 1:
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
