@@ -93,14 +93,6 @@ def first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, torch.arange(n, device=mask.device), n).amin(dim=-1)
 
 
-def victim_indices(victim: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`victim` `(..., batch, heads)` as scatter indices into a layer's tensors: `(..., batch, heads, 1)` for the
-    per-slot ones, `(..., batch, heads, 1, width)` for keys and values. Leading dimensions make them for several
-    layers at once (stacked victims), in the same few ops as for one."""
-    slot = victim[..., None]
-    return slot, slot[..., None].expand(*slot.shape, width)
-
-
 class StepViews:
     """A layer that evicts one token a step holds `n` slots between steps and `n + 1` during one: the same
     buffers at two lengths. These are their views, made at an eviction and reused while they are the layer's
@@ -148,14 +140,12 @@ class StepViews:
         layer.new_tokens = 1
         return layer.keys, layer.values
 
-    def evict(self, layer, slot: torch.Tensor, index: torch.Tensor, reuse: bool) -> None:
-        """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`; `index` the same expanded over the keys'
-        width); the layer's tensors become `held`, or with `reuse` False views made after these writes."""
+    def evict(self, layer, slot: torch.Tensor, reuse: bool) -> None:
+        """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`); the layer's tensors become `held`, or with
+        `reuse` False views made after these writes."""
         grown, new = self.grown, self.slot_n()
-        grown["keys"].scatter_(2, index, new["keys"])
-        if grown["values"].shape[-1] != index.shape[-1]:  # (models with other value widths)
-            index = slot[..., None].expand(*slot.shape, grown["values"].shape[-1])
-        grown["values"].scatter_(2, index, new["values"])
+        for name in ("keys", "values"):
+            grown[name].scatter_(2, slot[..., None].expand(*slot.shape, grown[name].shape[-1]), new[name])
         grown["positions"].scatter_(-1, slot, new["positions"])
         for name in self.extra_names:
             grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])

@@ -17,7 +17,7 @@ import copy
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .buffers import StepViews, allocated, append_in_place, first_true, slot_dim, victim_indices
+from .buffers import StepViews, allocated, append_in_place, first_true, slot_dim
 from .state import RowState, padded
 
 
@@ -245,22 +245,24 @@ class KVLayer(RowState, CacheLayerMixin):
         return self.valid
 
     def victims(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-        """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token, or a filler
-        slot where the row holds no more real tokens than its budget (`lowest_real`)."""
-        return lowest_real(scores, None if self.all_valid else self.valid, budgets)
+        """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token; where the row
+        holds no more real tokens than its budget (`budgets` `(batch,)`: a prompt kept whole, still growing), its
+        first filler slot instead, the same for every head, which the newest token fills."""
+        if self.all_valid:
+            return scores.argmin(dim=-1)
+        victim = scores.masked_fill(~self.valid[:, None, :], float("inf")).argmin(dim=-1)
+        room = self.valid.sum(-1) <= budgets  # (batch,)
+        return torch.where(room[:, None], first_true(~self.valid)[:, None], victim)
 
-    def evict(self, victim: torch.Tensor, indices: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def evict(self, victim: torch.Tensor) -> None:
         """Drop one slot per row and head, `victim` `(batch, heads)`: a real token, or a row's filler slot (the
-        same for each of its heads, `lowest_real`). The newest slot (a real token) moves into the victim's, so
-        validity stays shared by the heads of a row, and the slots are one fewer. `indices`:
-        `victim_indices(victim, head_dim)` when the caller made them (for several layers at once)."""
+        same for each of its heads, `victims`). The newest slot (a real token) moves into the victim's, so
+        validity stays shared by the heads of a row, and the slots are one fewer."""
         if not self.all_valid:  # a filler victim holds the newest token from now on (a real one is real already)
             self.valid.scatter_(1, victim[:, :1], True)
         views = self._views if self._views is not None and self._views.grown_by(self) else StepViews(self)
-        if indices is None or indices[1].shape[-1] != self.keys.shape[-1]:
-            indices = victim_indices(victim, self.keys.shape[-1])
         reuse = not self.keys.requires_grad  # a forward with gradients reads no view made before these writes
-        views.evict(self, *indices, reuse)
+        views.evict(self, victim[..., None], reuse)
         self._views = views if reuse else None
         self.compressed = True
 
@@ -382,19 +384,3 @@ def padded_to_widest(layers: list) -> list:
         twin.fillers_added(slots - layer.slots)
         copies.append(twin)
     return copies
-
-
-def lowest_real(scores: torch.Tensor, valid: torch.Tensor | None, budgets: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """The slot with the lowest `scores` `(..., batch, heads, slots)` per row and head, among the real ones
-    (`valid` `(..., batch, slots)`; None: all are): one layer's, or several layers' stacked. With `budgets`
-    `(batch,)`: a row holding no more real tokens than its budget (a prompt kept whole, still growing) gives
-    its first filler slot instead, the same for every head, which the newest token fills."""
-    if valid is None:
-        return scores.argmin(dim=-1)
-    victim = scores.masked_fill(~valid[..., None, :], float("inf")).argmin(dim=-1)
-    if budgets is not None:
-        room = valid.sum(-1) <= budgets  # (..., batch)
-        filler = first_true(~valid)
-        victim = torch.where(room[..., None], filler[..., None], victim)
-    return victim

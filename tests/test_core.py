@@ -23,7 +23,6 @@ from sparsekv import (
 )
 from sparsekv.buffers import GROW, buffer_of, span
 from sparsekv.cache import Forward
-from sparsekv.layers import lowest_real
 from sparsekv.stats import held_tensors
 
 PRESSES = {
@@ -448,40 +447,6 @@ def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_h2o_evicts_every_layer_at_once_as_one_by_one(padded, monkeypatch):
-    """A decoding step's victims, found for every layer at once from their stacked scores at the last layer, are
-    each layer's own: the same tokens and logits as evicting every layer after its attention, with padding too."""
-    from sparsekv.presses import h2o_step
-
-    model = make_model("qwen2")
-    ids, mask = left_padded((40, 60) if padded else (60, 60), 60)
-
-    def run():
-        with H2OPress(ratio=0.3)(model):
-            return greedy(model, ids, mask, new=20, output_logits=True, return_dict_in_generate=True)
-
-    stacked = []
-    evict_together = h2o_step.evict_together
-    monkeypatch.setattr(h2o_step, "evict_together", lambda press, step: stacked.append(len(step.waiting)) or
-                        evict_together(press, step))
-    together = run()
-    assert stacked and set(stacked) == {len(compressed_layers(together.cache))}  # every layer waited, each step
-
-    def one_by_one(press, step):
-        for layer in step.waiting:
-            scores = press.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, step.start)
-            layer.evict(lowest_real(scores, None if layer.all_valid else layer.valid, step.budgets))
-        step.waiting = []
-
-    monkeypatch.setattr(h2o_step, "evict_together", one_by_one)
-    alone = run()
-    assert torch.equal(together.sequences, alone.sequences)
-    torch.testing.assert_close(torch.stack(together.logits), torch.stack(alone.logits), rtol=0, atol=0)
-    for a, b in zip(compressed_layers(together.cache), compressed_layers(alone.cache)):
-        assert torch.equal(a.positions, b.positions)
-
-
 def test_snapkv_scores_match_full_attention():
     """The w x L recomputation equals SnapKV computed from the full eager attention matrix."""
     model = make_model("qwen2", "eager")
@@ -640,15 +605,3 @@ def test_row_tensors_are_copied_to_a_device_once_per_value():
     cache.reorder_cache(torch.tensor([1, 0], device=DEVICE))
     again = cache.on("prompt_start", meta)
     assert again is not first and again.device == meta and cache.on("prompt_start", meta) is again
-
-
-def test_victim_indices_made_for_stacked_layers_are_each_layers_own():
-    """H2O and StreamingLLM make every layer's scatter indices of a step at once: each layer's part is what that
-    layer would have made alone (a wrong slot would overwrite a kept token)."""
-    from sparsekv.buffers import victim_indices
-    victims = torch.randint(0, 50, (5, 2, 3))  # (layers, batch, heads)
-    slots, index = victim_indices(victims, 8)
-    for i in range(5):
-        alone = victim_indices(victims[i], 8)
-        assert torch.equal(slots[i], alone[0]) and torch.equal(index[i], alone[1])
-        assert index[i].shape == (2, 3, 1, 8) and torch.equal(index[i][..., 0, 7], victims[i])

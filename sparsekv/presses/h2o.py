@@ -8,11 +8,10 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall
-from ..cache import Forward, SparseCache
+from ..cache import SparseCache
 from ..layers import KVLayer
 from ..options import check_number
 from ..press import Press
-from . import h2o_step
 
 
 @dataclass(kw_only=True)
@@ -50,34 +49,21 @@ class H2OPress(Press):
         self.block_size = check_number("H2OPress", "block_size", self.block_size, integer=True, low=1,
                                        unit="queries")
 
-    def recent_start(self, cache: SparseCache, length: int | torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`(batch, 1, 1)` first position of each row's recent window once `length` tokens are seen (an int, or
-        a tensor on `device` of a shape that broadcasts, e.g. `(batch, heads, 1)`), on `device` (computed there:
-        nothing is copied to it while decoding)."""
-        recent = (cache.on("budgets", device).double() * self.recent_ratio).round().long()
-        return length - recent[:, None, None]
-
     def holds_budget_while_decoding(self) -> bool:
         return self.ratio != 1.0  # (1.0 keeps everything, decoding included)
 
-    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        h2o_step.plan(self, cache, forward)
+    def heavy_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
+        """Each slot's score `(batch, heads, slots)`: the attention its token received, over the queries that saw
+        it (so that early tokens are not favoured for being old); +inf for the recent window, the last
+        `recent_ratio` of each row's budget, always kept.
 
-    @staticmethod
-    def heavy_scores(received: torch.Tensor, positions: torch.Tensor, length: int | torch.Tensor,
-                     start: torch.Tensor) -> torch.Tensor:
-        """Received attention over the queries that saw each token (`length` tokens seen, an int or a tensor that
-        broadcasts: every slot was seen at least once); tokens at or after `start` (the recent window) score +inf,
-        always kept. Any leading dimensions: one layer's `(batch, heads, slots)` or every layer's stacked."""
-        scores = received / (length - positions)
-        return scores.masked_fill_(positions >= start, float("inf"))
-
-    def layer_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
-        """One layer's scores: the recent window is the step's (planned), or at the prompt the prompt's."""
-        plan = cache.forward.plan
-        start = h2o_step.recent(self, cache, layer) if plan is not None else \
-            self.recent_start(cache, layer.logical_len, layer.device)
-        return self.heavy_scores(layer.extra["received"], layer.positions, layer.logical_len, start.to(layer.device))
+        The tokens seen are the newest token's position plus one, read from the layer's last slot (where a
+        forward's newest token is until an eviction moves it): on the device, so that nothing which changes from
+        step to step is read on the host (a compiled step would be traced anew for it)."""
+        length = layer.positions[..., -1:] + 1  # (batch, heads, 1)
+        recent = (cache.on("budgets", layer.device).double() * self.recent_ratio).round().long()
+        scores = layer.extra["received"] / (length - layer.positions)
+        return scores.masked_fill_(layer.positions >= length - recent[:, None, None], float("inf"))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
@@ -89,7 +75,7 @@ class H2OPress(Press):
         received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(layer, call))
         layer.extra["received"] = received.clone()
         if not self.keeps_everything(cache):
-            scores = self.layer_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
+            scores = self.heavy_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
             layer.keep(scores, budgets)
 
     def received(self, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
@@ -117,12 +103,10 @@ class H2OPress(Press):
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Algorithm 1 at a decoding step: the attention the step's queries give every slot joins what each
-        received, and a row over its budget evicts its lowest-scored tokens. A one-token step on a full cache
-        does both for every layer at once, after the last (`h2o_step`)."""
-        if self.holds_budget_while_decoding() and not h2o_step.waits(self, cache, layer, call):
+        received, and a row over its budget evicts its lowest-scored tokens."""
+        if self.holds_budget_while_decoding():
             self.add_received(cache, layer, call)
-            self.hold_budget(cache, layer, self.layer_scores(cache, layer))
-        h2o_step.finish(self, cache, layer)
+            self.hold_budget(cache, layer, self.heavy_scores(cache, layer))
 
     def add_received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Add the attention the step's queries gave every slot (summed over each KV head's query heads)."""

@@ -8,7 +8,6 @@ from typing import ClassVar
 import torch
 
 from ..attention import AttentionCall
-from ..buffers import victim_indices
 from ..cache import SparseCache
 from ..layers import KVLayer
 from ..options import check_number
@@ -22,7 +21,7 @@ class StreamingLLMPress(Press):
     The prompt is cut to sinks + its most recent tokens, and during decoding the oldest non-sink token is
     evicted as each new one arrives, so the cache never holds more than the budget after a step
     (the paper's rolling KV cache, sec. 3.2). Scores depend on position only, so every layer and head holds the
-    same positions: a decoding step finds its victim slot once, for all layers.
+    same positions.
 
     Args:
         ratio: fraction of each prompt's KV kept (sinks included), in (0, 1], held while decoding; at least
@@ -61,17 +60,6 @@ class StreamingLLMPress(Press):
             layer.keep(scores, budgets)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if not self.holds_budget_while_decoding():  # everything kept, decoding included
-            return
-        if cache.forward.q_len == 1 and layer.slots == cache.largest_budget + 1:
-            # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
-            # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step.
-            if cache.forward.plan is None:
-                victim = layer.victims(self.recency(cache, layer), cache.on("budgets", layer.device))
-                cache.forward.plan = victim, victim_indices(victim, layer.keys.shape[-1])
-            victim, indices = cache.forward.plan
-            if victim.device != layer.device:  # (a model split over devices)
-                victim, indices = victim.to(layer.device), tuple(t.to(layer.device) for t in indices)
-            layer.evict(victim, indices)
-        else:
+        """The rolling cache: a row over its budget evicts its oldest non-sink tokens (one at a decoding step)."""
+        if self.holds_budget_while_decoding():
             self.hold_budget(cache, layer, self.recency(cache, layer))
