@@ -91,16 +91,6 @@ def rope_product(q: torch.Tensor, matrix: torch.Tensor, batch: int) -> torch.Ten
     return torch.bmm(q.reshape(batch, -1, w), matrix.view(batch, w, d))
 
 
-def rotate_projections(projected: list[torch.Tensor], matrix: torch.Tensor, channels: int) -> torch.Tensor:
-    """Several layers' one-token query projections `(batch, 1, >= channels)` (a fused projection: its first
-    `channels` are the queries) stacked on a layer dimension and rotated in one `rope_product` with `matrix`
-    `(w, d)` or `(batch, 1, w, d)`: `(batch, layers, channels // w, 1, d)`, each layer's rotated vectors (its
-    heads, or with a matrix tiled over a group, its KV heads' sums) of its one token."""
-    stacked = torch.stack(projected, dim=1)[..., :channels]  # (b, n, 1, channels)
-    b, n = stacked.shape[:2]
-    return rope_product(stacked, matrix, b).view(b, n, -1, 1, matrix.shape[-1])
-
-
 def tile_rope(matrix: torch.Tensor, group: int) -> torch.Tensor:
     """A step's RoPE matrix `(d, d)` or `(batch, 1, d, d)` stacked `group` times along its rows: the queries of a
     KV head's `group` query heads, side by side, times it are their sum rotated (`shape_queries(grouped=True)`):

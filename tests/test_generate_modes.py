@@ -234,8 +234,7 @@ def query_sums(cache) -> list[torch.Tensor]:
 
 def step_queries(cache) -> list[torch.Tensor]:
     """SentencePress's queries of the last forward, per compressed layer."""
-    return [query for stack in cache.state.stacks for query in (
-        stack.step_queries.unbind(1) if isinstance(stack.step_queries, torch.Tensor) else stack.step_queries)]
+    return [query for stack in cache.state.stacks for query in stack.step_queries]
 
 
 # --- a prompt in pieces (generate's prefill_chunk_size) ----------------------------------------------------------

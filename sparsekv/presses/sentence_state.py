@@ -71,11 +71,8 @@ class LayerStack(RowState):
         slot_room: `(batch, layers, 1, R)` see `sentence_step.loading_room`.
         resident: `(batch, layers, kv_heads, R)` the store slots now loaded.
         device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot.
-        step_queries: the last forward's queries, per rank `(batch, kv_heads, q, head_dim)`, or every layer's at
-            once `(batch, layers, kv_heads, 1, head_dim)` (kept for `crop`).
+        step_queries: the last forward's queries, per rank `(batch, kv_heads, q, head_dim)` (kept for `crop`).
         before_reset: `query_sum` before a sentence end zeroed it, for `crop`.
-        projected, rope: `plan="step"`, a one-token step: each layer's query projection, kept as it is until the
-            last layer, and the step's RoPE matrix, to rotate them all at once (`sentence_step.add_queries`).
         heads: query heads per layer.
     """
 
@@ -88,13 +85,10 @@ class LayerStack(RowState):
     slot_room: torch.Tensor | None = None
     resident: torch.Tensor | None = None
     device_slot: torch.Tensor | None = None
-    step_queries: list | torch.Tensor = field(default_factory=list)
+    step_queries: list = field(default_factory=list)
     before_reset: torch.Tensor | None = None
-    projected: list = field(default_factory=list)
-    rope: torch.Tensor | None = None
     heads: int = 0
 
-    shared_state: ClassVar[frozenset[str]] = frozenset({"rope"})
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
                                           "slot_room", "resident", "device_slot")
 
@@ -112,7 +106,6 @@ class LayerStack(RowState):
             mine = getattr(self, name)
             setattr(self, name, parts[name] if mine is None else torch.cat([mine, parts[name]], dim=1))
         self.step_queries = [None] * len(self.ranks)
-        self.projected = [None] * len(self.ranks)
         return rank
 
     def at(self, rank: int) -> SimpleNamespace:

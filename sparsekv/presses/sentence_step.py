@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import rotate_projections
 from ..cache import SparseCache
 from ..store import load_layers
 from .sentence_state import LayerStack
@@ -59,27 +58,6 @@ def plan_step(press, cache: SparseCache) -> None:
         cache.counts["loaded_tokens"] += copied
         cache.counts["loads"] += copied > 0
         cache.counts["selections"] += len(stack.ranks)
-
-
-def add_queries(cache: SparseCache, stack: LayerStack) -> None:
-    """Add the one-token step's queries that `on_queries` kept as projections to every layer's sum: grouped by
-    KV head and rotated in one product for all layers (the step's RoPE matrix, tiled over a group), where each
-    layer took five ops of its own."""
-    kept = [i for i, projected in enumerate(stack.projected) if projected is not None]
-    if not kept:
-        return
-    kv, d, heads = stack.query_sum.shape[2], stack.query_sum.shape[-1], stack.heads
-    matrix = cache.forward.rope.tiled(stack.rope, heads // kv)  # (group d, d) or (b, 1, group d, d)
-    queries = rotate_projections([stack.projected[i] for i in kept], matrix, heads * d).float()
-    if len(kept) == len(stack.projected):  # every layer's (the common case)
-        stack.query_sum += queries
-        stack.step_queries = queries  # for `crop`, stacked
-    else:
-        stack.query_sum.index_add_(1, torch.tensor(kept, device=queries.device), queries)
-        for j, i in enumerate(kept):
-            stack.step_queries[i] = queries[:, j]
-    stack.before_reset = None
-    stack.projected, stack.rope = [None] * len(stack.projected), None
 
 
 def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:

@@ -12,14 +12,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..attention import AttentionCall, query_norm, rotate
+from ..attention import AttentionCall, rotate
 from ..cache import Forward, SparseCache
 from ..layers import KVLayer
 from ..options import check_number
 from ..store import StoreLayer
 from .sentence_segment import closes_sentence, sentence_ids
 from .sentence_state import SentenceState, as_rows, end_sentence
-from .sentence_step import add_queries, load, loading_room, plan_step
+from .sentence_step import load, loading_room, plan_step
 from .snapkv import SnapKVPress
 
 
@@ -273,12 +273,6 @@ class SentencePress(SnapKVPress):
         if found is None:  # not compressed: every prompt token attended
             return
         stack, rank = found
-        if self.plan == "step" and call.rope is not None and cache.forward.input_valid is None \
-                and query_norm(call.module) is None and (stack.rope is None or stack.rope is call.rope):
-            # One token: its projection is kept as it is, and every layer's is grouped and rotated at once after
-            # the last layer (`add_queries`): no op here.
-            stack.projected[rank], stack.rope = call.projected, call.rope
-            return
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
         if cache.forward.input_valid is not None:  # padding tokens add nothing
             queries = queries * call.valid()[:, None, :, None]
@@ -319,7 +313,6 @@ class SentencePress(SnapKVPress):
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         found = cache.state.find(call.module.layer_idx)
         if found is not None and call.module.layer_idx == found[0].last:  # every layer's at once, after the last
-            add_queries(cache, found[0])
             end_sentence(found[0], cache.forward.plan)
 
     def crop(self, cache: SparseCache, length: int) -> None:
@@ -327,11 +320,9 @@ class SentencePress(SnapKVPress):
         token decides whether a sentence ends instead."""
         ids = cache.state.step_ids  # the last forward's tokens
         for stack in cache.state.stacks:  # the layers' sums are one tensor, cropped at once
-            queries = stack.step_queries  # per layer `(b, h, q, d)`, or stacked already `(b, layers, h, 1, d)`
-            if isinstance(queries, list):
-                queries = None if queries[0] is None else torch.stack(queries, dim=1)
-            if queries is None:
+            if stack.step_queries[0] is None:
                 continue
+            queries = torch.stack(stack.step_queries, dim=1)  # (b, layers, h, q, d)
             q, removed = queries.shape[-2], cache.layers[stack.last].logical_len - length
             if removed > q:
                 raise ValueError(f"SentencePress: can only crop the last forward's {q} tokens; asked for {removed}.")

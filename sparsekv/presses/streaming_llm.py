@@ -21,7 +21,7 @@ class StreamingLLMPress(Press):
     The prompt is cut to sinks + its most recent tokens, and during decoding the oldest non-sink token is
     evicted as each new one arrives, so the cache never holds more than the budget after a step
     (the paper's rolling KV cache, sec. 3.2). Scores depend on position only, so every layer and head holds the
-    same positions.
+    same positions: a decoding step finds its victim slot once, for all layers.
 
     Args:
         ratio: fraction of each prompt's KV kept (sinks included), in (0, 1], held while decoding; at least
@@ -61,5 +61,15 @@ class StreamingLLMPress(Press):
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """The rolling cache: a row over its budget evicts its oldest non-sink tokens (one at a decoding step)."""
-        if self.holds_budget_while_decoding():
+        if not self.holds_budget_while_decoding():  # everything kept, decoding included
+            return
+        if cache.forward.q_len == 1 and layer.slots == cache.largest_budget + 1:
+            # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
+            # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step (the
+            # kernels of a victim per layer cost a compiled step on a CPU too).
+            if cache.forward.plan is None:
+                cache.forward.plan = layer.victims(self.recency(cache, layer), cache.on("budgets", layer.device))
+            victim = cache.forward.plan
+            layer.evict(victim if victim.device == layer.device else victim.to(layer.device))  # (a split model)
+        else:
             self.hold_budget(cache, layer, self.recency(cache, layer))
