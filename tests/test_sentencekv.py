@@ -112,7 +112,7 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     layer.store_keys, layer.store_values = keys, -keys
     layer.store_positions = torch.arange(100, 100 + store)[None]
     state, slot_sentence, sizes = SentenceState(), torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]]), torch.tensor([[[4, 4]]])
-    state.add_layer(0, 1, query_sum=torch.zeros(1, 1, 1, d), slot_sentence=slot_sentence, sentence_sizes=sizes,
+    state.add_layer(0, query_sum=torch.zeros(1, 1, 1, d), slot_sentence=slot_sentence, sentence_sizes=sizes,
                     slot_room=loading_room(slot_sentence, sizes, torch.tensor([[[fill]]])),
                     sentence_keys=torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None],
                     resident=torch.zeros(1, 1, store, dtype=torch.bool),
@@ -321,7 +321,7 @@ def test_layers_on_several_devices_are_stacked_per_device():
                                                                  "device_slot")}
     state = SentenceState()
     for i, device in enumerate(["cpu", "meta", "cpu"]):
-        state.add_layer(i, 4, **{name: t.to(device) for name, t in parts.items()})
+        state.add_layer(i, **{name: t.to(device) for name, t in parts.items()})
     assert len(state.stacks) == 2 and [stack.ranks for stack in state.stacks] == [{0: 0, 2: 1}, {1: 0}]
     assert state.find(2) == (state.stacks[0], 1) and state.find(1) == (state.stacks[1], 0) and state.find(3) is None
     assert state.stacks[0].query_sum.shape[1] == 2 and state.stacks[1].query_sum.device.type == "meta"
@@ -347,7 +347,7 @@ def test_a_layer_with_more_sentences_widens_the_stack_before_its_empty_sentence(
     layers = [parts(3), parts(5), parts(4)]
     state = SentenceState()
     for i, layer in enumerate(layers):
-        state.add_layer(i, 1, **layer)
+        state.add_layer(i, **layer)
     stack = state.stacks[0]
     assert stack.sentence_keys.shape[:4] == (1, 3, 1, 5)
     for i, layer in enumerate(layers):

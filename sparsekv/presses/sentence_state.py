@@ -37,13 +37,13 @@ class SentenceState(RowState):
                 return stack, stack.ranks[layer_idx]
         return None
 
-    def add_layer(self, layer_idx: int, heads: int, **parts: torch.Tensor) -> tuple[LayerStack, int]:
+    def add_layer(self, layer_idx: int, **parts: torch.Tensor) -> tuple[LayerStack, int]:
         """Add a compressed layer's ranking state (the `LayerStack.STACKED` fields, each `(batch, ...)` without the
         layer dimension) to the stack of its device, made on the first; returns the stack and the layer's rank."""
         device = parts["query_sum"].device
         stack = next((s for s in self.stacks if s.query_sum.device == device), None)
         if stack is None:
-            stack = LayerStack(heads=heads)
+            stack = LayerStack()
             self.stacks.append(stack)
         return stack, stack.add(layer_idx, parts)
 
@@ -73,7 +73,6 @@ class LayerStack(RowState):
         device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot.
         step_queries: the last forward's queries, per rank `(batch, kv_heads, q, head_dim)` (kept for `crop`).
         before_reset: `query_sum` before a sentence end zeroed it, for `crop`.
-        heads: query heads per layer.
     """
 
     ranks: dict[int, int] = field(default_factory=dict)
@@ -87,7 +86,6 @@ class LayerStack(RowState):
     device_slot: torch.Tensor | None = None
     step_queries: list = field(default_factory=list)
     before_reset: torch.Tensor | None = None
-    heads: int = 0
 
     STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
                                           "slot_room", "resident", "device_slot")

@@ -192,9 +192,8 @@ class SentencePress(SnapKVPress):
             query_sum += self._seed_queries(cache, call, query_sum.device)
         r = store.shape[1]
         stack, rank = cache.state.add_layer(
-            call.module.layer_idx, call.module.config.num_attention_heads,
-            query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes, slot_sentence=slot_sentence,
-            slot_room=loading_room(slot_sentence[:, :1], sizes, fill),
+            call.module.layer_idx, query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes,
+            slot_sentence=slot_sentence, slot_room=loading_room(slot_sentence[:, :1], sizes, fill),
             resident=torch.zeros(b, h, r, dtype=torch.bool, device=device),
             device_slot=torch.zeros(b, h, r, dtype=torch.long, device=device))
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
