@@ -200,7 +200,6 @@ class AttentionCall:
         module: the attention module (gives `layer_idx`, `head_dim`, `scaling`, projections).
         hidden_states: its input `(batch, q, hidden)`.
         position_embeddings: `(cos, sin)` of the input tokens; None for a layer without position embeddings.
-        weights: attention weights `(batch, heads, q, k)` when the implementation returned them (eager), else None.
         input_valid: `(batch, q)` which input tokens are real, or None when all are.
         projected: the query projection's output for this input, when the hooks captured it (decoding steps of
             presses that read queries then); `queries()` then shapes it instead of recomputing it.
@@ -219,7 +218,6 @@ class AttentionCall:
     module: torch.nn.Module
     hidden_states: torch.Tensor
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    weights: torch.Tensor | None
     input_valid: torch.Tensor | None
     projected: torch.Tensor | None = None
     capture: bool = False

@@ -225,7 +225,7 @@ class SparseCache(RowState, Cache):
         layer = self.layers[module.layer_idx]
         if not rotary(module):  # the module leaves its queries and keys as they are (a NoPE layer)
             position_embeddings = None
-        call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings, None,
+        call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings,
                                                                forward.input_valid)
         call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
         if call.capture and forward.q_len == 1:
@@ -265,10 +265,9 @@ class SparseCache(RowState, Cache):
         kwargs.setdefault("valid", forward.input_valid)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def after_layer(self, layer_idx: int, weights: torch.Tensor | None) -> None:
+    def after_layer(self, layer_idx: int) -> None:
         """After the layer's attention: the press compresses the prompt, or does its per-step work; timed."""
         call = self.forward.calls.pop(layer_idx)
-        call.weights = weights
         layer = self.layers[layer_idx]
         start, kind = clock(), "compress"
         if self.pieces is not None:  # a prompt read in pieces: compressed at its last, as a whole

@@ -1,6 +1,7 @@
 """What sparsekv reads of transformers' `generate`: which forward is a draft being verified (assisted decoding,
-prompt lookup), which is a piece of a prompt read in pieces (`prefill_chunk_size`), and which cache `generate`
-made by default, so that the hooks treat each forward as `generate` meant it."""
+prompt lookup), which is a piece of a prompt read in pieces (`prefill_chunk_size`), which cache `generate`
+made by default, and whether it was asked to compile, so that the hooks treat each forward as `generate` meant
+it."""
 
 from __future__ import annotations
 
@@ -12,26 +13,39 @@ from transformers import DynamicCache
 from .cache import SparseCache
 
 
-def pieces_left(inst) -> int:
-    """When this forward is a piece of a prompt that generate reads in several (`prefill_chunk_size`), how many
-    pieces follow it; else 0. A press that cannot compress such a prompt refuses it (`Press.prompt_tail`),
-    rather than compress its first piece alone, before the rest (the question) is read.
+def prefill_locals() -> dict:
+    """The locals of generate's own prefill (`GenerationMixin._prefill`, a frame up the stack) running this prompt
+    forward, or {} when none runs it (a forward called directly; assisted decoding prefills without it).
 
-    A forward is not told that it is a piece (no argument, and nothing public in transformers, says so), so this
-    reads generate's own prefill (`GenerationMixin._prefill`, a
-    frame up the stack: its `generation_config`, `input_chunks` and `chunk_idx`), once per prompt forward, never
-    at a decoding step. Assisted decoding prefills without it, and does not read a prompt in pieces. (The generate
-    mode tests compare a prompt in pieces with one forward for every press: a transformers that reads pieces
-    otherwise fails them.)
+    A forward is told neither that it is a piece of a prompt read in pieces (`prefill_chunk_size`) nor which
+    `compile_config` generate was given: no argument, and nothing public in transformers, says so. This is read
+    once per prompt forward, never at a decoding step. (The generate mode tests compare a prompt in pieces with one
+    forward for every press: a transformers that names these otherwise fails them.)
     """
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "_prefill":
         frame = frame.f_back
-    return 0 if frame is None else pieces_after(inst.press, frame.f_locals)
+    return {} if frame is None else frame.f_locals
+
+
+def eager_notice(press, prefill: dict, cache: SparseCache) -> str | None:
+    """What to say when generate was given a `compile_config` (in its prefill's locals, `prefill`) and will decode
+    this cache eagerly: transformers skips compiling with a notice that does not say why. None otherwise."""
+    if getattr(prefill.get("generation_config"), "compile_config", None) is None or cache.compiled:
+        return None
+    name = type(press).__name__
+    if not press.compiled_decoding:
+        return (f"sparsekv: generate was given a compile_config and decodes eagerly: {name}'s decoding steps do not "
+                "compile yet (StreamingLLM's, H2O's, SnapKV's and ChunkKV's do).")
+    return (f"sparsekv: generate was given a compile_config and decodes eagerly: it compiles over a cache made for "
+            f"it only; pass `cache=press.make_cache(model, compiled=True, max_new_tokens=...)` under {name}.")
 
 
 def pieces_after(press, prefill: dict) -> int:
-    """`pieces_left` from the locals of generate's `_prefill` (`prefill`)."""
+    """When this forward is a piece of a prompt that generate reads in several (`prefill_chunk_size`), how many
+    pieces follow it, from the locals of generate's prefill (`prefill_locals`); else 0. A press that cannot
+    compress such a prompt refuses it (`Press.prompt_tail`), rather than compress its first piece alone, before
+    the rest (the question) is read."""
     size = getattr(prefill.get("generation_config"), "prefill_chunk_size", None)
     if size is None or press.reads_prompt_in_pieces:
         return 0  # no pieces, or the press reads them as a prompt and continued prompts itself

@@ -20,7 +20,8 @@ from .architectures import check_model
 from .attention import query_projection
 from .cache import KEEP_MASK, SparseCache
 from .generation import (
-    draft_length, fresh_default, pieces_left, prefill_before_draft, refuse_cache, verifies_draft,
+    draft_length, eager_notice, fresh_default, pieces_after, prefill_before_draft, prefill_locals, refuse_cache,
+    verifies_draft,
 )
 from .log import logger
 
@@ -116,7 +117,11 @@ def _before_model(inst: Installation, module, args, kwargs):
         inputs, shape = kwargs.get("input_ids"), (shape[0], draft)
     verifies = bool(draft) or verifies_draft(kwargs, cache, shape[1])
     prompt = cache.prompt_lengths is None or cache.pieces is not None
-    pieces = pieces_left(inst) if shape[1] > 1 and prompt else 0
+    prefill = prefill_locals() if prompt else {}
+    pieces = pieces_after(inst.press, prefill) if shape[1] > 1 else 0
+    notice = eager_notice(inst.press, prefill, cache)
+    if notice is not None:
+        inst.warn("eager", notice)
     cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0], draft=verifies,
                         pieces_left=pieces)
     inst.running.cache = cache
@@ -165,5 +170,4 @@ def _after_queries(inst: Installation, layer_idx: int, module, args, output):
 def _after_attention(module, args, kwargs, output):
     cache = kwargs.get("cache")
     if isinstance(cache, SparseCache):
-        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        cache.after_layer(module.layer_idx, weights)
+        cache.after_layer(module.layer_idx)

@@ -56,5 +56,5 @@ class PromptPieces(RowState):
         hidden = call.hidden_states if kept is None else torch.cat([kept, call.hidden_states.to(kept.device)], 1)
         self.inputs[call.module.layer_idx] = hidden[:, max(hidden.shape[1] - self.tail, 0):]
         rope = None if call.position_embeddings is None else tuple(t.to(hidden.device) for t in self.rope)
-        return AttentionCall(call.module, hidden, rope, None, self.valid.to(hidden.device),
+        return AttentionCall(call.module, hidden, rope, self.valid.to(hidden.device),
                              offset=self.length - hidden.shape[1])

@@ -86,7 +86,7 @@ class Prefill:
             hidden, position_embeddings = self.inputs[i]
             cache.before_layer(modules[i], hidden, position_embeddings)
             cache.update(recorded.keys, recorded.values, i)
-            cache.after_layer(i, None)
+            cache.after_layer(i)
         cache.end_forward(self.logits)
         cache.shared = None  # the prompt is done: the cache keeps no reference to the recording
         return cache

@@ -192,10 +192,11 @@ class Press:
 
     # --- helpers for presses ------------------------------------------------------------------------------------
     def row_budgets(self, cache: SparseCache, minimum: int = 1, what: str = "1 token", beside: int = 0
-                    ) -> torch.Tensor:
+                    ) -> torch.Tensor | None:
         """Tokens each row keeps, `(batch,)`, set once per generation on the cache: `budget`, or `ratio` of the
         row's prompt (rounded), and never fewer than the `minimum` tokens the press always keeps (described by
-        `what`, e.g. "window_size=32").
+        `what`, e.g. "window_size=32"). None when there is nothing to compress: every row's budget, plus the
+        `beside` tokens the press keeps besides it, covers its prompt (`cache.on("budgets")` still gives them).
 
         A row whose prompt is no longer than its budget plus the `beside` tokens the press keeps besides it
         cannot be compressed: it is kept whole (said once per process through the `sparsekv` logger, unless
@@ -220,7 +221,7 @@ class Press:
                     f"{f' and {beside} always attended' if beside else ''}). Prompts this short are never compressed "
                     "(said once)."))
             cache.budgets = budgets
-        return cache.budgets
+        return None if bool((cache.budgets + beside >= cache.prompt_lengths).all()) else cache.budgets
 
     def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """After a layer's attention over a piece of a prompt read in pieces, before the last piece (whose
@@ -234,12 +235,6 @@ class Press:
         through `read_piece` (H2O). None (the default): the press does not say, and such a generation is
         refused."""
         return None
-
-    @staticmethod
-    def keeps_everything(cache: SparseCache, beside: int = 0) -> bool:
-        """Whether every row keeps its whole prompt: its budget, plus the `beside` tokens the press keeps besides
-        it, covers it (`row_budgets` set the budgets)."""
-        return bool((cache.budgets + beside >= cache.prompt_lengths).all())
 
     @staticmethod
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:
@@ -267,7 +262,7 @@ class ScorerPress(Press):
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache, *self.min_kept())
-        if self.keeps_everything(cache):
+        if budgets is None:  # every prompt kept whole
             return
         scores = self.score(cache, layer, call)
         scores = scores.masked_fill(~call.valid()[:, None, :], float("-inf"))

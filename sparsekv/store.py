@@ -117,14 +117,16 @@ class StoreLayer(KVLayer):
         self.store_keys[:, :, start:end] = keys
         self.store_values[:, :, start:end] = values
 
-    def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store."""
+    def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, loaded: int = 0) -> None:
+        """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store, and the
+        working set's first `loaded` slots the region the press loads store tokens into (`load`)."""
         device = self.store_device or keys.device
         if device.type == "cpu" and keys.is_cuda:  # pinned, so that loads copy back asynchronously
             # Straight into pinned memory: one copy from the GPU, where `.to("cpu").pin_memory()` makes two.
             keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in (keys, values))
         self.store_keys, self.store_values = keys.to(device), values.to(device)
         self.store_positions = positions
+        self.loaded = loaded
 
     def gather(self, slots: torch.Tensor, valid: torch.Tensor, all_valid: bool | None = None) -> None:
         """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `all_valid`:

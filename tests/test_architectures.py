@@ -121,16 +121,15 @@ def tiny_press(cls, **budget) -> Press:
 
 @dataclasses.dataclass(kw_only=True)
 class AttentionProbe(Press):
-    """Keeps everything; at the prompt, compares each layer's attention as sparsekv rebuilds it (`prefill_probs`:
-    the layer's queries from its inputs) with the weights eager attention returned."""
+    """Keeps everything; at the prompt, keeps each layer's attention as sparsekv rebuilds it (`prefill_probs`: the
+    layer's queries from its inputs), to compare with the weights eager attention returns."""
 
-    gaps: list = dataclasses.field(default_factory=list, compare=False)
+    rebuilt: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def compress(self, cache, layer, call):
         n = layer.keys.shape[-2]
         probs = call.prefill_probs(layer.keys, 0, n)  # (batch, kv_heads, group, q, k)
-        rebuilt = probs.reshape(probs.shape[0], -1, n, n)
-        self.gaps.append(float((rebuilt - call.weights.float()[..., :n]).abs().max()))
+        self.rebuilt[call.module.layer_idx] = probs.reshape(probs.shape[0], -1, n, n)
 
 
 def greedy(model, ids, **kwargs):
@@ -202,9 +201,20 @@ def serves(model, model_type: str) -> float:
         eager(ids)
     except RuntimeError:  # its eager attention fails at this size in transformers itself: nothing to compare
         return float("inf")
-    with probe(eager), torch.no_grad():
-        eager(ids)
-    return max(probe.gaps)
+    weights = {}  # the weights each attention module returns (eager's), by layer
+
+    def returned(module, args, output):
+        weights[module.layer_idx] = output[1]
+
+    hooks = [module.register_forward_hook(returned) for module in architectures.check_model(eager)]
+    try:
+        with probe(eager), torch.no_grad():
+            eager(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return max(float((rebuilt - weights[i].float()[..., :rebuilt.shape[-1]]).abs().max())
+               for i, rebuilt in probe.rebuilt.items())
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,15 +4,16 @@ model's forward with the press's hooks and work inside it."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import conftest
 import pytest
 import torch
-from conftest import greedy, make_model, prompt
+from conftest import greedy, make_model, make_tokenizer, prompt
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from sparsekv import CHESSPress, ChunkPress, H2OPress, SnapKVPress, StreamingLLMPress
+from sparsekv import CHESSPress, ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 
 PRESSES = [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25), SnapKVPress(ratio=0.25, window_size=8),
            ChunkPress(ratio=0.25, window_size=8, chunk_size=4)]
@@ -230,6 +231,8 @@ def test_a_cache_that_cannot_compile_is_refused_at_the_door():
     compress (which keep transformers' growing cache), is refused when the cache is made, naming what to do."""
     with pytest.raises(ValueError, match="CHESSPress's decoding steps do not compile yet.*without compiled=True"):
         CHESSPress(ratio=0.25).make_cache(make_model("llama"), compiled=True)
+    with pytest.raises(ValueError, match="SentencePress's decoding steps do not compile yet"):
+        SentencePress(make_tokenizer(), ratio=0.25).make_cache(make_model("llama"), compiled=True, max_new_tokens=8)
     with pytest.raises(ValueError, match="max_new_tokens: SnapKVPress keeps every generated token.*max_new_tokens="):
         SnapKVPress(ratio=0.25).make_cache(make_model("llama"), compiled=True)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
@@ -237,6 +240,27 @@ def test_a_cache_that_cannot_compile_is_refused_at_the_door():
     with pytest.raises(ValueError, match="mixes in layers StreamingLLMPress does not compress"):
         StreamingLLMPress(ratio=0.25).make_cache(make_model("gemma3"), compiled=True)
     assert not StreamingLLMPress(ratio=0.25).make_cache(make_model("llama")).is_compileable
+
+
+@pytest.mark.parametrize("press", [SentencePress(make_tokenizer(), budget=16, n_sinks=4, window_size=4),
+                                   SnapKVPress(budget=16, window_size=4)], ids=["SentenceKV", "SnapKV"])
+@torch.no_grad()
+def test_a_compile_config_that_cannot_be_served_is_said_once(press, caplog):
+    """generate given a `compile_config` over a cache it cannot compile (a press whose steps do not compile, or
+    a cache not made `compiled`) decodes eagerly, the eager tokens, and the `sparsekv` logger says why, once a
+    block."""
+    model = make_model("llama")
+    ids = prompt(64)
+    config = CompileConfig(backend=count_graphs([]), mode=None)
+    config._compile_all_devices = True
+    with press(model):
+        eager = greedy(model, ids, None, new=4)
+        with caplog.at_level(logging.WARNING, logger="sparsekv"):
+            for _ in range(2):
+                assert torch.equal(greedy(model, ids, None, new=4, compile_config=config), eager)
+    said = [r.getMessage() for r in caplog.records if r.name == "sparsekv" and "decodes eagerly" in r.getMessage()]
+    assert len(said) == 1, said
+    assert ("do not compile yet" if isinstance(press, SentencePress) else "make_cache(model, compiled=True") in said[0]
 
 
 @torch.no_grad()

@@ -418,9 +418,9 @@ def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
-    """The attention H2O adds up while decoding: eager's weights, or (sdpa) each step's rows recomputed after the
-    last layer from every layer's query rotated at once (one RoPE matrix, or one per row in a padded batch)."""
+def test_h2o_keeps_and_scores_alike_under_eager_and_sdpa(padded):
+    """The attention H2O adds up, rebuilt from each layer's queries (at a step, its query rotated by one RoPE
+    matrix, or one per row in a padded batch), is the same whichever implementation ran the model's attention."""
     kept = {}
     ids, mask = left_padded((40, 60), 60) if padded else (prompt(60), None)
     for impl in ("eager", "sdpa"):
@@ -445,6 +445,26 @@ def test_h2o_eager_weights_and_sdpa_recompute_agree(padded):
         assert torch.equal(a, b)
     for a, b in zip(kept["eager-scores"], kept["sdpa-scores"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_h2o_received_attention_is_the_full_attention_matrix_summed():
+    """What H2O accumulates, rebuilt from queries at the prompt and at each step, is the attention each token
+    received: the column sums of eager attention's own matrix over every query so far (a budget the prompt and the
+    steps fit, so nothing is evicted)."""
+    model = make_model("qwen2", "eager")
+    ids, steps = prompt(50), 3
+    with H2OPress(budget=64)(model):
+        out = model(ids)
+        cache, tokens = out.cache, [out.logits[:, -1:].argmax(-1)]
+        for _ in range(steps):
+            out = model(tokens[-1], cache=cache)
+            tokens.append(out.logits[:, -1:].argmax(-1))
+    full = model(torch.cat([ids, *tokens[:steps]], dim=1), output_attentions=True).attentions
+    for i, layer in enumerate(compressed_layers(cache)):
+        n = full[i].shape[-1]
+        expected = full[i][0].view(2, -1, n, n).sum(dim=(1, 2))  # (kv_heads, tokens): each GQA group's heads
+        got = layer.extra["received"][0].gather(-1, layer.positions[0].argsort(-1))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_snapkv_scores_match_full_attention():

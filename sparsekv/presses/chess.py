@@ -161,7 +161,7 @@ class CHESSPress(Press):
         if state.page_sums is None:
             return
         layer = cache.layers[next(iter(state.columns))]
-        lengths = layer.logical_len - cache.on("prompt_start", layer.device)  # real tokens per row
+        lengths = layer.logical_len - cache.on("prompt_start", layer.keys.device)  # real tokens per row
         # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
         complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(self.page_size, rounding_mode="floor")
         continued = cache.forward is not None and cache.forward.continues_prompt

@@ -55,14 +55,14 @@ def accumulate(press, cache, layer, layer_idx: int, start: int, rope, end: int |
     their (cos, sin)) to their blocks' sums; `end` defaults to every token seen."""
     state, end = cache.state, layer.logical_len if end is None else end
     b, h, _, d = layer.store_keys.shape
-    first = cache.on("prompt_start", layer.device)[:, None]
+    first = cache.on("prompt_start", layer.keys.device)[:, None]
     blocks = -(-(end - int(first.min())) // press.page_stride)
     if state.page_sums is None or blocks > state.page_sums.shape[1]:
-        grown = torch.zeros(b, blocks + 64, len(state.columns) * h * d, device=layer.device)
+        grown = torch.zeros(b, blocks + 64, len(state.columns) * h * d, device=layer.keys.device)
         if state.page_sums is not None:
             grown[:, : state.page_sums.shape[1]] = state.page_sums
         state.page_sums = grown
-    slots = torch.arange(start, end, device=layer.device)[None, :]
+    slots = torch.arange(start, end, device=layer.keys.device)[None, :]
     block = (slots - first).div(press.page_stride, rounding_mode="floor")  # (b, q); < 0: padding
     keys = layer.store_keys[:, :, start:end]
     if press.pre_rope:
@@ -136,8 +136,8 @@ def read_stores(cache) -> None:
     state = cache.state
     state.next_context = None
     layer = cache.layers[next(iter(state.columns))]
-    start = cache.on("prompt_start", layer.device)[:, None]
-    valid = torch.arange(layer.logical_len, device=layer.device) >= start
+    start = cache.on("prompt_start", layer.keys.device)[:, None]
+    valid = torch.arange(layer.logical_len, device=layer.keys.device) >= start
     for i in state.columns:
         cache.layers[i].read_store(valid)
 

@@ -75,12 +75,12 @@ class ChunkPress(SnapKVPress):
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache, *self.min_kept())
-        if self.keeps_everything(cache):
+        if budgets is None:  # every prompt kept whole
             return
         state, i = cache.state, call.module.layer_idx
         if state.leader[i] == i:
             state.selection[i] = self.select_chunks(self.window_scores(cache, layer, call), call.valid(),
-                                                    cache.on("prompt_start", layer.device), budgets)
+                                                    cache.on("prompt_start", layer.keys.device), budgets)
         scores, kept = state.selection[state.leader[i]]
         layer.keep(scores.expand(-1, layer.keys.shape[1], -1), kept)
 

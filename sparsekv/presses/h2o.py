@@ -23,8 +23,8 @@ class H2OPress(Press):
     are not favoured for being old. The cache is cut to the budget at prefill and one token is evicted at every
     decoding step, so it never holds more than the budget after a step (paper sec. 4, Algorithm 1).
 
-    The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix); decoding
-    uses the step's attention weights (eager) or recomputes the one query's row (sdpa, flash).
+    The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix), and a
+    decoding step's from its query's projection, whatever the attention implementation.
 
     Args:
         ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1], held while decoding; at least 1
@@ -38,7 +38,7 @@ class H2OPress(Press):
 
     recent_ratio: float = 0.5
     block_size: int = 256
-    captures_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row (sdpa, flash)
+    captures_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row
     joins_rows: ClassVar[bool] = True  # its scores follow their slots (`extra`)
     compiled_decoding: ClassVar[bool] = True
 
@@ -61,7 +61,7 @@ class H2OPress(Press):
         forward's newest token is until an eviction moves it): on the device, so that nothing which changes from
         step to step is read on the host (a compiled step would be traced anew for it)."""
         length = layer.positions[..., -1:] + 1  # (batch, heads, 1)
-        recent = (cache.on("budgets", layer.device).double() * self.recent_ratio).round().long()
+        recent = (cache.on("budgets", layer.keys.device).double() * self.recent_ratio).round().long()
         scores = layer.extra["received"] / (length - layer.positions)
         return scores.masked_fill_(layer.positions >= length - recent[:, None, None], float("inf"))
 
@@ -74,7 +74,7 @@ class H2OPress(Press):
         # kept whole needs it too: its budget is held once decoding grows past it.
         received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(layer, call))
         layer.extra["received"] = received.clone()
-        if not self.keeps_everything(cache):
+        if budgets is not None:
             scores = self.heavy_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
             layer.keep(scores, budgets)
 
@@ -82,9 +82,6 @@ class H2OPress(Press):
         """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`: from
         the call's queries (`call.offset` on), added to what earlier pieces of the prompt gave (`read_piece`)."""
         b, h_kv, n, _ = layer.keys.shape
-        if call.weights is not None:  # eager already materialised it; padding queries' rows are dropped
-            weights = call.weights.float() * call.valid()[:, None, :, None]
-            return weights.view(b, h_kv, -1, n, n).sum(dim=(2, 3))
         earlier = layer.extra.get("received")
         received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=layer.keys.device) if earlier is None \
             else earlier.clone()
@@ -109,15 +106,11 @@ class H2OPress(Press):
             self.hold_budget(cache, layer, self.heavy_scores(cache, layer))
 
     def add_received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """Add the attention the step's queries gave every slot (summed over each KV head's query heads)."""
-        if call.weights is not None:  # eager: (b, heads, q, slots), already masked
-            b, h_q, q, n = call.weights.shape
-            h_kv = layer.keys.shape[1]
-            received = call.weights.float().view(b, h_kv, h_q // h_kv, q, n).sum(dim=(2, 3))
-        elif cache.forward.q_len == 1 and layer.all_valid:  # one new token, every slot real: no mask
-            received = call.probs(layer.keys, None).sum(dim=(2, 3))
-        else:
-            new = torch.arange(layer.slots - cache.forward.q_len, layer.slots, device=layer.keys.device)
-            visible = layer.valid[:, None, :] & (torch.arange(layer.slots, device=new.device) <= new[:, None])
-            received = call.probs(layer.keys, visible).sum(dim=(2, 3))
-        layer.extra["received"] += received
+        """Add the attention the step's queries gave every slot (summed over each KV head's query heads): each
+        query sees the real slots, and a draft's tokens (the forward's last slots) none after their own."""
+        visible = layer.valid[:, None, :]
+        if cache.forward.q_len > 1:
+            n = layer.keys.shape[-2]
+            new = torch.arange(n - cache.forward.q_len, n, device=layer.keys.device)
+            visible = visible & (torch.arange(n, device=new.device) <= new[:, None])
+        layer.extra["received"] += call.probs(layer.keys, visible).sum(dim=(2, 3))

@@ -84,6 +84,7 @@ class SentencePress(SnapKVPress):
     sentence_vector: str = "bounds"
     plan: str = "step"
     reads_input_ids: ClassVar[bool] = True
+    compiled_decoding: ClassVar[bool] = False  # a step reads the host (which rows end a sentence, which tokens load)
     joins_rows: ClassVar[bool] = True  # stores and sentences padded per row (`StoreLayer.joined`, the state's)
     paper_name: ClassVar[str] = "SentenceKV"
 
@@ -155,7 +156,7 @@ class SentencePress(SnapKVPress):
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         fixed = self.n_sinks + self.window_size
         taus = self.row_budgets(cache, *self.min_kept(), beside=fixed)
-        if self.keeps_everything(cache, beside=fixed):  # every prompt token would be attended anyway
+        if taus is None:  # every prompt token would be attended anyway
             return
         b, h, n, _ = layer.keys.shape
         device = layer.keys.device
@@ -178,14 +179,14 @@ class SentencePress(SnapKVPress):
         in_store = store < n
         store = store.clamp(max=n - 1)
         shared = self._shared_keys(layer, call, valid, store) if self.centre else 0.0
-        sentence_keys, sizes, slot_sentence = self._fill_store(layer, store, in_store, cache.state.sentences.to(device),
-                                                               shared, self.sentence_vector)
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
-        layer.loaded = int(taus.max())
+        loaded = int(taus.max())
+        sentence_keys, sizes, slot_sentence = self._fill_store(layer, store, in_store, cache.state.sentences.to(device),
+                                                               shared, self.sentence_vector, loaded)
         fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]  # (b, 1, 1) real loaded slots
-        real = torch.arange(layer.loaded, device=device) < fill[:, 0]  # (b, loaded)
-        slots = torch.cat([keep.new_zeros(b, layer.loaded), keep], dim=1)[:, None].expand(b, h, -1)
+        real = torch.arange(loaded, device=device) < fill[:, 0]  # (b, loaded)
+        slots = torch.cat([keep.new_zeros(b, loaded), keep], dim=1)[:, None].expand(b, h, -1)
         layer.select(slots, torch.cat([real, real_slot & valid.gather(1, keep)], dim=1))
         query_sum = torch.zeros(b, h, 1, layer.keys.shape[-1], device=device, dtype=torch.float32)
         if self.prompt_sentence:
@@ -218,8 +219,9 @@ class SentencePress(SnapKVPress):
         return rotate(mean.expand(-1, -1, r, -1), at)
 
     @staticmethod
-    def _fill_store(layer, store, in_store, sentences, shared, vector):
-        """The prefiltered tokens' KV to the offload store; returns per sentence the mean of their keys minus
+    def _fill_store(layer, store, in_store, sentences, shared, vector, loaded):
+        """The prefiltered tokens' KV to the offload store (the first `loaded` slots of the working set load from
+        it); returns per sentence the mean of their keys minus
         `shared` `(b, h, S, d)` (`vector="bounds"`: each channel's max, then its min, concatenated: `(b, h, S, 2 d)`),
         the stored tokens of each sentence `(b, 1, S)`, and each store slot's sentence `(b, h, R)`.
 
@@ -248,7 +250,7 @@ class SentencePress(SnapKVPress):
         else:
             sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, centred * weight)
             sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
-        layer.fill_store(keys, values, store)
+        layer.fill_store(keys, values, store, loaded)
         return sentence_keys, counts.long()[:, None], bucket[:, None].expand(b, h, -1)
 
     @staticmethod

@@ -55,7 +55,7 @@ class StreamingLLMPress(Press):
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache, self.n_sinks + 1, f"n_sinks={self.n_sinks} plus 1 recent token")
-        if not self.keeps_everything(cache):
+        if budgets is not None:
             scores = self.recency(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
             layer.keep(scores, budgets)
 
@@ -63,13 +63,13 @@ class StreamingLLMPress(Press):
         """The rolling cache: a row over its budget evicts its oldest non-sink tokens (one at a decoding step)."""
         if not self.holds_budget_while_decoding():  # everything kept, decoding included
             return
-        if cache.forward.q_len == 1 and layer.slots == cache.largest_budget + 1:
+        if cache.forward.q_len == 1 and layer.keys.shape[-2] == cache.largest_budget + 1:
             # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
             # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step (the
             # kernels of a victim per layer cost a compiled step on a CPU too).
             if cache.forward.plan is None:
-                cache.forward.plan = layer.victims(self.recency(cache, layer), cache.on("budgets", layer.device))
+                cache.forward.plan = layer.victims(self.recency(cache, layer), cache.on("budgets", layer.keys.device))
             victim = cache.forward.plan
-            layer.evict(victim if victim.device == layer.device else victim.to(layer.device))  # (a split model)
+            layer.evict(victim if victim.device == layer.keys.device else victim.to(layer.keys.device))  # (a split model)
         else:
             self.hold_budget(cache, layer, self.recency(cache, layer))
