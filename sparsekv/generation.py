@@ -12,6 +12,8 @@ from transformers import DynamicCache
 
 from .cache import SparseCache
 
+COMPILING = "StreamingLLM's, H2O's, SnapKV's and ChunkKV's"  # the presses whose decoding steps compile
+
 
 def prefill_locals() -> dict:
     """The locals of generate's own prefill (`GenerationMixin._prefill`, a frame up the stack) running this prompt
@@ -36,7 +38,7 @@ def eager_notice(press, prefill: dict, cache: SparseCache) -> str | None:
     name = type(press).__name__
     if not press.compiled_decoding:
         return (f"sparsekv: generate was given a compile_config and decodes eagerly: {name}'s decoding steps do not "
-                "compile yet (StreamingLLM's, H2O's, SnapKV's and ChunkKV's do).")
+                f"compile yet ({COMPILING} do).")
     return (f"sparsekv: generate was given a compile_config and decodes eagerly: it compiles over a cache made for "
             f"it only; pass `cache=press.make_cache(model, compiled=True, max_new_tokens=...)` under {name}.")
 

@@ -36,6 +36,7 @@ import torch
 
 from .attention import AttentionCall
 from .cache import Forward, SparseCache
+from .generation import COMPILING
 from .hooks import install
 from .layers import KVLayer
 from .log import say_once
@@ -273,8 +274,8 @@ def check_compiled(press, layers: list, max_new_tokens: int | None) -> None:
     """Refuse a `compiled` cache that generate could not compile, or whose steps would not keep their shapes."""
     name = type(press).__name__
     if not press.compiled_decoding:
-        raise ValueError(f"compiled: {name}'s decoding steps do not compile yet (StreamingLLM's, H2O's, SnapKV's and "
-                         "ChunkKV's do); make its cache without compiled=True: generate then decodes eagerly.")
+        raise ValueError(f"compiled: {name}'s decoding steps do not compile yet ({COMPILING} do); make its cache "
+                         "without compiled=True: generate then decodes eagerly.")
     if max_new_tokens is None and not press.holds_budget_while_decoding():
         raise ValueError(f"max_new_tokens: {name} keeps every generated token, so a compiled cache makes room for "
                          "them after the prompt: give the most a generation adds (generate's max_new_tokens), "

@@ -69,7 +69,7 @@ class StreamingLLMPress(Press):
             # kernels of a victim per layer cost a compiled step on a CPU too).
             if cache.forward.plan is None:
                 cache.forward.plan = layer.victims(self.recency(cache, layer), cache.on("budgets", layer.keys.device))
-            victim = cache.forward.plan
-            layer.evict(victim if victim.device == layer.keys.device else victim.to(layer.keys.device))  # (a split model)
+            victim, device = cache.forward.plan, layer.keys.device
+            layer.evict(victim if victim.device == device else victim.to(device))  # (a split model)
         else:
             self.hold_budget(cache, layer, self.recency(cache, layer))
