@@ -3,15 +3,12 @@
 sdpa and flash attention never materialise attention weights, and queries are not cached, so presses rebuild
 the queries of the tokens they care about from the layer's input and recompute only those rows of attention.
 Works on any transformers attention module with `q_proj` (or fused `qkv_proj`), optional `q_norm`, and RoPE
-given as `position_embeddings`: Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma3. A one-token step rotates its queries
-with one matrix product (`rope_matrix`), made once for every layer of the step (`StepRope`).
+given as `position_embeddings`: Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma3.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 
@@ -42,15 +39,12 @@ def project_queries(module, hidden_states: torch.Tensor, position_embeddings, gr
     return shape_queries(module, projection(hidden_states), position_embeddings, grouped)
 
 
-def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped: bool = False,
-                  rope_matrix: torch.Tensor | None = None) -> torch.Tensor:
+def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped: bool = False) -> torch.Tensor:
     """The query projection's output `(batch, tokens, width)` as the module's queries: split into heads,
     normed (`query_norm`, when the module has one) and rotated with the `(cos, sin)` of these tokens.
 
     `grouped`: summed over the query heads of each KV head's GQA group, `(batch, kv_heads, tokens, head_dim)`.
     RoPE turns every head of a token alike, so a group is summed before it is rotated (one rotation per group).
-    `rope_matrix`: that rotation as `rope_matrix(position_embeddings)` made it (one token), applied in one op;
-    `(d, d)` when every row has the same position. With `grouped`, it may be given tiled (`tile_rope`).
     """
     b, n, width = projected.shape
     d = module.head_dim
@@ -61,88 +55,10 @@ def shape_queries(module, projected: torch.Tensor, position_embeddings, grouped:
     width = getattr(norm, "weight", None)
     if width is not None and width.shape[-1] != d:  # over the whole projection (OLMo2), before the heads
         q, norm = norm(q), None
-    if norm is not None:  # per head (Qwen3, Gemma3)
-        q = norm(q.reshape(b, n, -1, d))
-    elif not grouped and rope_matrix is None:  # else a step's heads need no 4D view
-        q = q.reshape(b, n, -1, d)
-    if grouped and rope_matrix is not None:  # one token: its group's sum and rotation are one product
-        kv = module.config.num_key_value_heads
-        width = module.config.num_attention_heads // kv * d  # a KV head's query heads, side by side
-        matrix = rope_matrix if rope_matrix.shape[-2] == width else tile_rope(rope_matrix, width // d)
-        return rope_product(q, matrix, b).view(b, kv, 1, d)  # (batch * kv_heads, group * d) @ (group * d, d)
+    q = q.reshape(b, n, -1, d) if norm is None else norm(q.reshape(b, n, -1, d))  # per head (Qwen3, Gemma3)
     if grouped:
         q = q.reshape(b, n, module.config.num_key_value_heads, -1, d).sum(3)
-    if rope_matrix is not None:  # one token: a plain (batched) product, no broadcast copy of the matrix
-        return rope_product(q, rope_matrix, b).view(b, -1, 1, d)
     return rotate(q.transpose(1, 2), position_embeddings)
-
-
-def rope_product(q: torch.Tensor, matrix: torch.Tensor, batch: int) -> torch.Tensor:
-    """One-token queries `q` (`batch` rows, any layout) rotated by a step's RoPE matrix in one product, no
-    broadcast copy of the matrix: `matrix` is `(w, d)` when every row has the same position (`rope_matrix`, or its
-    `tile_rope` of width `w`, scaled or not), or `(batch, 1, w, d)`, each row its own; `q`'s channels are taken
-    `w` at a time. Returns `(batch * m, d)` or `(batch, m, d)` (the caller views it): its `m` rotated vectors."""
-    w, d = matrix.shape[-2:]
-    matrix = matrix if matrix.dtype == q.dtype else matrix.to(q.dtype)
-    if matrix.dim() == 4 and matrix.shape[0] == 1:
-        matrix = matrix.view(w, d)
-    if matrix.dim() == 2:
-        return q.reshape(-1, w) @ matrix
-    return torch.bmm(q.reshape(batch, -1, w), matrix.view(batch, w, d))
-
-
-def tile_rope(matrix: torch.Tensor, group: int) -> torch.Tensor:
-    """A step's RoPE matrix `(d, d)` or `(batch, 1, d, d)` stacked `group` times along its rows: the queries of a
-    KV head's `group` query heads, side by side, times it are their sum rotated (`shape_queries(grouped=True)`):
-    3 ops where summing, then rotating, took 6."""
-    return matrix.repeat(group, 1) if matrix.dim() == 2 else matrix.repeat(1, 1, group, 1)
-
-
-def rope_matrix(position_embeddings, head_dim: int) -> torch.Tensor | None:
-    """RoPE of one token per row as a matrix `(batch, 1, d, d)`: `rotate(x, pe) == x @ rope_matrix(pe, d)` for
-    `x` `(batch, heads, 1, d)`. A decoding step makes it once for every layer, which then rotates its query in
-    one op instead of eight (and, with the matrix times attention's scaling, scales it for free). None when it
-    does not apply (several tokens, partial rotary, no position embeddings)."""
-    if position_embeddings is None:
-        return None
-    cos, sin = position_embeddings
-    if cos.shape[1] != 1 or cos.shape[-1] != head_dim:
-        return None
-    # rotate_half(x) == x @ turn, turn = rotate_half(I) (made without index writes: on a GPU, writing a scalar
-    # through an index tensor waits for the device).
-    turn = _rotate_half(torch.eye(head_dim, dtype=cos.dtype, device=cos.device))
-    return torch.diag_embed(cos) + turn * sin[..., None, :]  # (batch, 1, d, d): broadcast over the heads
-
-
-class StepRope:
-    """A one-token forward's RoPE matrices (`rope_matrix`), plain and times attention's scaling, and their tiles
-    (`tile_rope`), made by the forward's first layer and shared by the others: they get the same `(cos, sin)`
-    (a layer given other ones, or another head size or scaling, gets its own). One per `Forward`."""
-
-    def __init__(self):
-        self.key: tuple | None = None  # `(cos, head_dim, scaling)` the matrices were made for
-        self.made: tuple = (None, None)  # `(plain, scaled)`
-        self.tiles: dict = {}
-
-    def matrices(self, position_embeddings, head_dim: int, scaling: float) -> tuple:
-        """`(plain, scaled)` for these position embeddings; `(None, None)` for a layer without them."""
-        if position_embeddings is None:  # a layer without position embeddings: queries rotate as they are
-            return None, None
-        cos = position_embeddings[0]
-        if self.key is None or self.key[0] is not cos or self.key[1:] != (head_dim, scaling):
-            plain = rope_matrix(position_embeddings, head_dim)
-            if plain is not None and plain.shape[0] == 1:  # one position for every row: viewed once, not per layer
-                plain = plain.view(head_dim, head_dim)
-            scaled = None if plain is None else plain * scaling
-            self.key, self.made, self.tiles = (cos, head_dim, scaling), (plain, scaled), {}
-        return self.made
-
-    def tiled(self, matrix: torch.Tensor, group: int) -> torch.Tensor:
-        """`tile_rope(matrix, group)` of one of these matrices, made by the first layer that asks."""
-        key = (id(matrix), group)
-        if key not in self.tiles:  # the matrix is held by `made` for as long as its tiles are
-            self.tiles[key] = tile_rope(matrix, group)
-        return self.tiles[key]
 
 
 def rotate(x: torch.Tensor, position_embeddings, inverse: bool = False) -> torch.Tensor:
@@ -205,10 +121,6 @@ class AttentionCall:
             presses that read queries then); `queries()` then shapes it instead of recomputing it.
         capture: whether this call captures its projection (set by the cache: after the prompt, for presses
             that read step queries).
-        rope: RoPE of a one-token input as a matrix (`rope_matrix`), made once per forward by the cache for
-            every layer's `queries()`; None: rotate as the module does.
-        scaled_rope: the same times the module's attention scaling (`queries(scaled=True)`).
-        tile: `(matrix, group) -> tile_rope(matrix, group)`, made once per forward (`queries(grouped=True)`).
         offset: the input's first token's index in the prompt, when the call stands for a prompt read in pieces
             (the last piece and the tail of the earlier ones before it, `SparseCache` and `Press.prompt_tail`):
             `queries(start, end)` and `valid()` then count tokens from the prompt's start, and `input_valid` and
@@ -221,9 +133,6 @@ class AttentionCall:
     input_valid: torch.Tensor | None
     projected: torch.Tensor | None = None
     capture: bool = False
-    rope: torch.Tensor | None = None
-    scaled_rope: torch.Tensor | None = None
-    tile: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     offset: int = 0
 
     @property
@@ -236,12 +145,6 @@ class AttentionCall:
         over each KV head's query heads, `(batch, kv_heads, tokens, head_dim)`; `scaled`: multiplied by the
         module's attention scaling (as attention's logits use them)."""
         if self.projected is not None and start == 0 and end is None:  # every token: nothing to cut (a step)
-            rope = self.scaled_rope if scaled else self.rope
-            if rope is not None:
-                if grouped and self.tile is not None:
-                    config = self.module.config
-                    rope = self.tile(rope, config.num_attention_heads // config.num_key_value_heads)
-                return shape_queries(self.module, self.projected, self.position_embeddings, grouped, rope)
             q = shape_queries(self.module, self.projected, self.position_embeddings, grouped)
         else:
             if start < self.offset:

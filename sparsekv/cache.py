@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
-from .attention import AttentionCall, StepRope
+from .attention import AttentionCall
 from .join import join_caches
 from .layers import KVLayer
 from .masks import check_left_padded, padding_mask, physical_mask
@@ -58,13 +58,14 @@ class Forward:
         first: the cache's first forward (it holds nothing before this one's tokens): the prompt, or its first
             piece.
         calls: per layer index, the attention call under way (from `before_layer` to `after_layer`).
-        plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g. H2O's
-            recent window, SentenceKV's sentence-closing flags) or by the first layer that needs it
-            (StreamingLLM's victim slots); None when it has none. Gone with the forward.
+        plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g.
+            SentenceKV's sentence-closing flags) or by the first layer that needs it; None when it has none. Gone
+            with the forward.
+        victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer when a
+            press's scores are the same in every layer (`Press.hold_budget`, `shared_by_layers`).
         continues_prompt: several new tokens after the first forward that are not a draft being verified: a
             prompt continued (generate on a cache that holds part of its input, a question asked of a
             compressed context, a caller's own multi-token forward).
-        rope: a one-token step's RoPE matrices (`attention.StepRope`), made by its first layer for all of them.
     """
 
     input_ids: torch.Tensor | None
@@ -74,13 +75,8 @@ class Forward:
     continues_prompt: bool = False
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
+    victims: torch.Tensor | None = None
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
-    rope: StepRope = field(init=False, default=None)  # a one-token step's RoPE matrices, shared by its layers
-
-    def __post_init__(self):
-        # Made here, not by a `default_factory`: dynamo cannot trace a dataclass's factory of a class of ours (a
-        # graph break at every forward it compiles).
-        self.rope = StepRope()
 
 
 class SparseCache(RowState, Cache):
@@ -215,7 +211,7 @@ class SparseCache(RowState, Cache):
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
             raise ValueError(f"input_ids: token ids must be integers (torch.long); got {input_ids.dtype}.")
         start = clock()
-        self.press.begin_forward(self, self.forward)  # its plan is press work of this step (or of the prompt)
+        self.press.begin_forward(self)  # its plan is press work of this step (or of the prompt)
         self.timed("compress" if first else "step", start)
 
     def before_layer(self, module: torch.nn.Module, hidden: torch.Tensor,
@@ -228,9 +224,6 @@ class SparseCache(RowState, Cache):
         call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings,
                                                                forward.input_valid)
         call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
-        if call.capture and forward.q_len == 1:
-            call.rope, call.scaled_rope = forward.rope.matrices(position_embeddings, module.head_dim, module.scaling)
-            call.tile = forward.rope.tiled
         if self.press.selects_before_attention:
             self.press.before_attention(self, layer, call)
         if not layer.compressed:

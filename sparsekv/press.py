@@ -6,8 +6,8 @@ budgets, `cache.state`, the `Forward` under way), so a press can be reused and t
 A press is a sequence of phases, called by the cache's driver (`sparsekv.cache`) in this order; override what
 the method needs, every default does nothing:
 
-1. `begin_forward(cache, forward)`: before each model forward (token ids in `forward.input_ids`); a plan every
-   layer of the forward shares goes to `forward.plan`.
+1. `begin_forward(cache)`: before each model forward (`cache.forward`, its token ids in `forward.input_ids`); a
+   plan every layer of the forward shares goes to `forward.plan`.
 2. `before_attention(cache, layer, call)`: before a layer's attention, before its mask is built: change what
    the layer holds (a working set).
 3. `on_queries(cache, layer, call)`: forwards after the prompt, once the layer projected its queries
@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 
 from .attention import AttentionCall
-from .cache import Forward, SparseCache
+from .cache import SparseCache
 from .generation import COMPILING
 from .hooks import install
 from .layers import KVLayer
@@ -163,8 +163,8 @@ class Press:
         return None
 
     # --- phases, in the order the driver calls them -------------------------------------------------------------
-    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        """Before each model forward."""
+    def begin_forward(self, cache: SparseCache) -> None:
+        """Before each model forward (`cache.forward`, the forward about to run)."""
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Before a layer's attention, before its mask: change what the layer holds (selecting presses)."""
@@ -238,10 +238,22 @@ class Press:
         return None
 
     @staticmethod
-    def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor) -> None:
+    def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor, shared_by_layers: bool = False) -> None:
         """Evict the lowest-`scores` `(batch, heads, slots)` real tokens of `layer` until each row is back within
-        its budget (`KVLayer.hold_budget`): one per row and head after a decoding step's token."""
-        layer.hold_budget(scores, cache.on("budgets", layer.device), cache.largest_budget)
+        its budget (`KVLayer.hold_budget`): one per row and head after a decoding step's token.
+
+        `shared_by_layers`: the scores depend on position alone and every layer holds the same positions in the
+        same slots (StreamingLLM's), so a decoding step's victims are found at its first layer and serve every
+        layer (the forward keeps them): a step runs a victim's kernels once, not once a layer.
+        """
+        forward, largest = cache.forward, cache.largest_budget
+        if shared_by_layers and forward.q_len == 1 and layer.slots == largest + 1:
+            if forward.victims is None:
+                forward.victims = layer.victims(scores, cache.on("budgets", layer.device))
+            victims = forward.victims
+            layer.evict(victims if victims.device == layer.device else victims.to(layer.device))  # (a split model)
+        else:
+            layer.hold_budget(scores, cache.on("budgets", layer.device), largest)
 
 
 @dataclass
@@ -266,7 +278,7 @@ class ScorerPress(Press):
         if budgets is None:  # every prompt kept whole
             return
         scores = self.score(cache, layer, call)
-        scores = scores.masked_fill(~call.valid()[:, None, :], float("-inf"))
+        scores = scores.masked_fill(~layer.valid[:, None, :], float("-inf"))
         layer.keep(scores, budgets)
 
 

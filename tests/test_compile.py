@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import conftest
 import pytest
@@ -241,6 +242,17 @@ def test_a_cache_that_cannot_compile_is_refused_at_the_door():
         StreamingLLMPress(ratio=0.25).make_cache(make_model("gemma3"), compiled=True)
     assert not StreamingLLMPress(ratio=0.25).make_cache(make_model("llama")).is_compileable
 
+
+
+def test_the_presses_named_as_compiling_are_those_that_declare_it():
+    """The refusal of a compiled cache and the eager notice name the presses whose steps compile from one line
+    written by hand (`generation.COMPILING`: the core cannot import the presses): exactly the built-in presses
+    that declare `compiled_decoding`, so that a press that gains or loses it is named right."""
+    from sparsekv.generation import COMPILING
+    from sparsekv.presses.registry import BUILT_IN
+
+    named = set(re.findall(r"(\w+)'s", COMPILING))
+    assert named == {cls.label() for cls in BUILT_IN.values() if cls.compiled_decoding}
 
 @pytest.mark.parametrize("press", [SentencePress(make_tokenizer(), budget=16, n_sinks=4, window_size=4),
                                    SnapKVPress(budget=16, window_size=4)], ids=["SentenceKV", "SnapKV"])

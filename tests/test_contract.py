@@ -93,6 +93,17 @@ def test_every_name_a_press_reads_is_documented_and_every_documented_name_is_rea
     assert not listed - set(read), f"docs/writing-a-press.md lists names no press reads: {listed - set(read)}"
 
 
+def test_the_counts_the_page_gives_are_the_names_it_lists():
+    """The page says how many names a press reads, attributes and helpers apart from imports: the numbers follow
+    the list."""
+    page = (ROOT / "docs" / "writing-a-press.md").read_text()
+    total, attributes, imports = map(int, re.search(
+        r"read of the core, (\d+): (\d+) attributes and helpers, and (\d+)\s+types", page).groups())
+    listed = documented()
+    imported = {name for name in listed if name.startswith("sparsekv.")}
+    assert (total, attributes, imports) == (len(listed), len(listed - imported), len(imported))
+
+
 @pytest.mark.parametrize("source, expected", [
     ("def f(cache, layer):\n    cache.forward.plan = layer.keys\n", {"cache.forward", "forward.plan", "layer.keys"}),
     ("def f(cache):\n    cache.layers[0].store_keys\n    cache.compressed_layers()[-1].slots\n",

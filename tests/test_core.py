@@ -22,7 +22,6 @@ from sparsekv import (
     StreamingLLMPress,
 )
 from sparsekv.buffers import GROW, buffer_of, span
-from sparsekv.cache import Forward
 from sparsekv.stats import held_tensors
 
 PRESSES = {
@@ -370,51 +369,28 @@ def test_a_step_through_an_evicting_layers_views_decodes_as_the_general_path(nam
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_steps_rope_matrix_rotates_queries_as_the_model_does(arch):
-    """A decoding step rotates its queries with one matrix per row, made once for every layer: the same queries
-    as the model's own rotation, rows at different positions included; partial rotary gets no matrix."""
-    from sparsekv.attention import rope_matrix, shape_queries
+def test_a_steps_queries_are_the_models_own(arch):
+    """A decoding step's queries, shaped from the captured projection (`shape_queries`), are the model's own:
+    normed and rotated as its attention does, rows at different positions included; `grouped`, each KV head's
+    query heads summed before the rotation (RoPE turns them alike) equals their rotated queries summed."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from sparsekv.attention import shape_queries
 
     model = make_model(arch)
     module = model.model.layers[0].self_attn
-    positions = torch.tensor([[5], [77]], device=DEVICE)
     hidden = torch.randn(2, 1, model.config.hidden_size, device=DEVICE)
-    cos_sin = model.model.rotary_emb(hidden, positions)
+    cos, sin = model.model.rotary_emb(hidden, torch.tensor([[5], [77]], device=DEVICE))
     projected = module.q_proj(hidden)
-    matrix = rope_matrix(cos_sin, module.head_dim)
-    assert matrix.shape == (2, 1, module.head_dim, module.head_dim)
-    for grouped in (False, True):
-        torch.testing.assert_close(shape_queries(module, projected, cos_sin, grouped, matrix),
-                                   shape_queries(module, projected, cos_sin, grouped), rtol=1e-5, atol=1e-5)
-    # The step's matrices, plain and times attention's scaling (as attention's logits use the queries).
-    plain, scaled = Forward(None, None, 1).rope.matrices(cos_sin, module.head_dim, module.scaling)
-    torch.testing.assert_close(plain, matrix)
-    torch.testing.assert_close(shape_queries(module, projected, cos_sin, False, scaled),
-                               shape_queries(module, projected, cos_sin) * module.scaling, rtol=1e-5, atol=1e-5)
-    # One position for every row (position ids of batch 1): one matrix serves the batch.
-    shared = model.model.rotary_emb(hidden, positions[:1])
-    torch.testing.assert_close(shape_queries(module, projected, shared, False, rope_matrix(shared, module.head_dim)),
-                               shape_queries(module, projected, shared), rtol=1e-5, atol=1e-5)
-    plain, _ = Forward(None, None, 1).rope.matrices(shared, module.head_dim, module.scaling)
-    assert plain.shape == (module.head_dim, module.head_dim)  # the step's layers share it as a plain (d, d)
-    for grouped in (False, True):
-        torch.testing.assert_close(shape_queries(module, projected, shared, grouped, plain),
-                                   shape_queries(module, projected, shared, grouped), rtol=1e-5, atol=1e-5)
-    # Grouped queries: a KV head's query heads side by side times the matrix tiled (made once per forward).
-    group = model.config.num_attention_heads // model.config.num_key_value_heads
-    assert group > 1
-    for pe in (shared, cos_sin):
-        forward = Forward(None, None, 1)
-        step, _ = forward.rope.matrices(pe, module.head_dim, module.scaling)
-        tiled = forward.rope.tiled(step, group)
-        assert tiled is forward.rope.tiled(step, group) and tiled.shape[-2:] == (group * module.head_dim, module.head_dim)
-        torch.testing.assert_close(shape_queries(module, projected, pe, True, tiled),
-                                   shape_queries(module, projected, pe, True), rtol=1e-5, atol=1e-5)
-    phi3 = make_model("phi3")
-    half = phi3.model.rotary_emb(hidden, positions)
-    assert rope_matrix(half, phi3.model.layers[0].self_attn.head_dim) is None
-    shared = model.model.rotary_emb(hidden.expand(2, 3, -1), torch.arange(3, device=DEVICE)[None])
-    assert rope_matrix(shared, module.head_dim) is None
+    heads = projected.view(2, 1, -1, module.head_dim)
+    if getattr(module, "q_norm", None) is not None:
+        heads = module.q_norm(heads)
+    own, _ = apply_rotary_pos_emb(heads.transpose(1, 2), heads.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(shape_queries(module, projected, (cos, sin)), own, rtol=1e-5, atol=1e-5)
+    kv = model.config.num_key_value_heads
+    grouped = own.view(2, kv, -1, 1, module.head_dim).sum(2)
+    torch.testing.assert_close(shape_queries(module, projected, (cos, sin), grouped=True), grouped,
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -446,6 +422,35 @@ def test_h2o_keeps_and_scores_alike_under_eager_and_sdpa(padded):
     for a, b in zip(kept["eager-scores"], kept["sdpa-scores"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
+
+
+@torch.no_grad()
+def test_victims_shared_by_layers_are_found_once_a_step_and_are_each_layers_own(monkeypatch):
+    """StreamingLLM's scores depend on position alone, so `hold_budget(..., shared_by_layers=True)` finds a
+    decoding step's victims at its first layer and evicts them from every layer: the same tokens, the same
+    slots and the same logits as finding them layer by layer, with one search a step instead of one a layer."""
+    class LayerByLayer(StreamingLLMPress):
+        def after_step(self, cache, layer, call):
+            self.hold_budget(cache, layer, self.recency(cache, layer))
+
+    searches = []
+    victims = KVLayer.victims
+    monkeypatch.setattr(KVLayer, "victims", lambda layer, *a: searches.append(1) or victims(layer, *a))
+    model, ids = make_model("llama"), prompt(48, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row: its sinks start later
+    found = {}
+    for press in (StreamingLLMPress(budget=16, n_sinks=2), LayerByLayer(budget=16, n_sinks=2)):
+        searches.clear()
+        with press(model):
+            out = greedy(model, ids, mask, new=6, return_dict_in_generate=True, output_logits=True)
+        layers = out.past_key_values.compressed_layers()
+        found[press.label()] = out, [layer.positions for layer in layers], len(searches), len(layers)
+    (shared, kept, n_shared, n_layers), (own, own_kept, n_own, _) = found["StreamingLLM"], found["LayerByLayer"]
+    assert torch.equal(shared.sequences, own.sequences)
+    torch.testing.assert_close(torch.stack(shared.logits), torch.stack(own.logits), rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(kept, own_kept))
+    assert (n_shared, n_own) == (5, 5 * n_layers) and n_layers > 1  # 5 steps after the prompt
 
 def test_h2o_received_attention_is_the_full_attention_matrix_summed():
     """What H2O accumulates, rebuilt from queries at the prompt and at each step, is the attention each token

@@ -237,7 +237,7 @@ class RankedBeforeTheQuery(SentencePress):
         load(layer, stack, rank, torch.where(empty[:, None, None], state.resident, chosen))
         queries = call.queries(grouped=True).float()
         if cache.forward.input_valid is not None:
-            queries = queries * call.valid()[:, None, :, None]
+            queries = queries * cache.forward.input_valid[:, None, :, None]
         state.query_sum += queries.sum(dim=2, keepdim=True)
 
 

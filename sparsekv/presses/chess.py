@@ -10,7 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..attention import AttentionCall
-from ..cache import Forward, SparseCache
+from ..cache import SparseCache
 from ..layers import KVLayer
 from ..press import Press
 from ..store import StoreLayer
@@ -282,8 +282,8 @@ class CHESSPress(Press):
         """The store slots attention reads: the blocks of sink, selected and window pages and the partial page."""
         return working_context(self, selected, lengths, prompt_start)
 
-    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        if forward.continues_prompt and cache.state.selected is not None:  # read whole, selected for after it
+    def begin_forward(self, cache: SparseCache) -> None:
+        if cache.forward.continues_prompt and cache.state.selected is not None:  # read whole, selected for after it
             read_stores(cache)
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:

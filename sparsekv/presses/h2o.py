@@ -72,20 +72,21 @@ class H2OPress(Press):
             return
         # The prompt's received attention does not depend on the budget: replays of one prompt share it. A prompt
         # kept whole needs it too: its budget is held once decoding grows past it.
-        received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(layer, call))
+        received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(cache, layer, call))
         layer.extra["received"] = received.clone()
         if budgets is not None:
-            scores = self.heavy_scores(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
+            scores = self.heavy_scores(cache, layer).masked_fill(~layer.valid[:, None, :], float("-inf"))
             layer.keep(scores, budgets)
 
-    def received(self, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
+    def received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
         """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`: from
-        the call's queries (`call.offset` on), added to what earlier pieces of the prompt gave (`read_piece`)."""
+        the forward's queries (its last `q_len` tokens: a prompt, or a piece of one), added to what earlier pieces
+        of the prompt gave (`read_piece`)."""
         b, h_kv, n, _ = layer.keys.shape
         earlier = layer.extra.get("received")
         received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=layer.keys.device) if earlier is None \
             else earlier.clone()
-        for start in range(call.offset, n, self.block_size):
+        for start in range(n - cache.forward.q_len, n, self.block_size):
             end = min(start + self.block_size, n)
             received[..., :end] += call.prefill_probs(layer.keys, start, end).sum(dim=(2, 3))
         return received
@@ -96,7 +97,7 @@ class H2OPress(Press):
     def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """A piece of a prompt read in pieces: the attention its queries gave every token so far, kept with the
         slots (zeros for the next piece's tokens) until `compress` adds the last piece's."""
-        layer.extra["received"] = self.received(layer, call)
+        layer.extra["received"] = self.received(cache, layer, call)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Algorithm 1 at a decoding step: the attention the step's queries give every slot joins what each

@@ -19,14 +19,15 @@ class SentenceState(RowState):
 
     Attributes:
         sentences: `(batch, prompt)` sentence index of each prompt token, -1 for padding.
-        piece_ids: `(batch, read)` a prompt read in pieces: its tokens until the last piece.
+        prompt_ids: `(batch, read)` the prompt's tokens read so far (every piece's, generate's
+            `prefill_chunk_size`), until `compress` segments them into `sentences`.
         step_ids: `(batch, q)` the last forward's tokens, for `crop`.
         stacks: the compressed layers' ranking state, one `LayerStack` per device (one, unless a `device_map`
             spreads the layers over several).
     """
 
     sentences: torch.Tensor | None = None
-    piece_ids: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
     step_ids: torch.Tensor | None = None
     stacks: list[LayerStack] = field(default_factory=list)
 

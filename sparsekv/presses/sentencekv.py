@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..attention import AttentionCall, rotate
-from ..cache import Forward, SparseCache
+from ..cache import SparseCache
 from ..layers import KVLayer
 from ..options import check_number
 from ..store import StoreLayer
@@ -132,18 +132,13 @@ class SentencePress(SnapKVPress):
     def new_state(self, cache: SparseCache) -> SentenceState:
         return SentenceState()
 
-    def begin_forward(self, cache: SparseCache, forward: Forward) -> None:
-        state = cache.state
-        if state.sentences is None and cache.pieces is not None:  # a prompt read in pieces: sentences at its last
-            ids = forward.input_ids if state.piece_ids is None else torch.cat([state.piece_ids, forward.input_ids], 1)
-            state.piece_ids = ids if forward.pieces_left else None
-            if not forward.pieces_left:  # the core has read every piece's validity (`PromptPieces`)
-                state.sentences = sentence_ids(self.tokenizer, ids, cache.pieces.valid, self.max_sentence_tokens)
-        elif state.sentences is None:  # the prompt
-            state.sentences = sentence_ids(self.tokenizer, forward.input_ids, forward.input_valid,
-                                           self.max_sentence_tokens)
+    def begin_forward(self, cache: SparseCache) -> None:
+        state, forward = cache.state, cache.forward
+        if state.sentences is None:  # the prompt, or a piece of it: segmented at `compress`, once all is read
+            ids = forward.input_ids
+            state.prompt_ids = ids if state.prompt_ids is None else torch.cat([state.prompt_ids, ids], 1)
         # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
-        cache.state.step_ids = forward.input_ids
+        state.step_ids = forward.input_ids
         closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])  # on the host
         # None: no layer has work to do. Else sent to the device now, while it has little queued to wait for.
         forward.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
@@ -154,6 +149,10 @@ class SentencePress(SnapKVPress):
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+        state = cache.state
+        if state.sentences is None:  # the first compressed layer: the prompt's sentences (sec. 4.1)
+            state.sentences = sentence_ids(self.tokenizer, state.prompt_ids, layer.valid, self.max_sentence_tokens)
+            state.prompt_ids = None
         fixed = self.n_sinks + self.window_size
         taus = self.row_budgets(cache, *self.min_kept(), beside=fixed)
         if taus is None:  # every prompt token would be attended anyway
@@ -161,7 +160,7 @@ class SentencePress(SnapKVPress):
         b, h, n, _ = layer.keys.shape
         device = layer.keys.device
         start = cache.on("prompt_start", device)[:, None]
-        valid = call.valid()
+        valid = layer.valid
         # Attended at every step: each row's first n_sinks tokens and the last window_size. A row too short for both
         # (kept whole beside longer ones) has them overlap, or reach into its padding: those slots are fillers.
         sinks = start + torch.arange(self.n_sinks, device=device)
@@ -275,8 +274,9 @@ class SentencePress(SnapKVPress):
             return
         stack, rank = found
         queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
-        if cache.forward.input_valid is not None:  # padding tokens add nothing
-            queries = queries * call.valid()[:, None, :, None]
+        valid = cache.forward.input_valid
+        if valid is not None:  # padding tokens add nothing
+            queries = queries * valid.to(queries.device)[:, None, :, None]
         added = queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
         stack.query_sum.select(1, rank).add_(added)  # eq. 2 (two ops; `[:, rank] +=` takes four)
         stack.step_queries[rank], stack.before_reset = queries, None  # kept for `crop`, no copy

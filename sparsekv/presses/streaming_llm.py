@@ -21,7 +21,7 @@ class StreamingLLMPress(Press):
     The prompt is cut to sinks + its most recent tokens, and during decoding the oldest non-sink token is
     evicted as each new one arrives, so the cache never holds more than the budget after a step
     (the paper's rolling KV cache, sec. 3.2). Scores depend on position only, so every layer and head holds the
-    same positions: a decoding step finds its victim slot once, for all layers.
+    same positions: a decoding step finds its victim slots once, for all layers.
 
     Args:
         ratio: fraction of each prompt's KV kept (sinks included), in (0, 1], held while decoding; at least
@@ -56,20 +56,10 @@ class StreamingLLMPress(Press):
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache, self.n_sinks + 1, f"n_sinks={self.n_sinks} plus 1 recent token")
         if budgets is not None:
-            scores = self.recency(cache, layer).masked_fill(~call.valid()[:, None, :], float("-inf"))
-            layer.keep(scores, budgets)
+            layer.keep(self.recency(cache, layer).masked_fill(~layer.valid[:, None, :], float("-inf")), budgets)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """The rolling cache: a row over its budget evicts its oldest non-sink tokens (one at a decoding step)."""
-        if not self.holds_budget_while_decoding():  # everything kept, decoding included
-            return
-        if cache.forward.q_len == 1 and layer.keys.shape[-2] == cache.largest_budget + 1:
-            # A decoding step on a full rolling cache. Every layer and head holds the same positions in the same
-            # slots, so the first layer's victim slot `(batch, heads)` is every layer's: found once per step (the
-            # kernels of a victim per layer cost a compiled step on a CPU too).
-            if cache.forward.plan is None:
-                cache.forward.plan = layer.victims(self.recency(cache, layer), cache.on("budgets", layer.keys.device))
-            victim, device = cache.forward.plan, layer.keys.device
-            layer.evict(victim if victim.device == device else victim.to(device))  # (a split model)
-        else:
-            self.hold_budget(cache, layer, self.recency(cache, layer))
+        if self.holds_budget_while_decoding():
+            # Every layer and head holds the same positions in the same slots: one victim a step serves them all.
+            self.hold_budget(cache, layer, self.recency(cache, layer), shared_by_layers=True)
