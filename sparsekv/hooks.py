@@ -116,12 +116,13 @@ def _before_model(inst: Installation, module, args, kwargs):
         kwargs = prefill_before_draft(inst, module, kwargs, draft)
         inputs, shape = kwargs.get("input_ids"), (shape[0], draft)
     verifies = bool(draft) or verifies_draft(kwargs, cache, shape[1])
-    prompt = cache.prompt_lengths is None or cache.pieces is not None
-    prefill = prefill_locals() if prompt else {}
-    pieces = pieces_after(inst.press, prefill) if shape[1] > 1 else 0
-    notice = eager_notice(inst.press, prefill, cache)
-    if notice is not None:
-        inst.warn("eager", notice)
+    pieces = 0
+    if cache.prompt_lengths is None or cache.pieces is not None:  # a prompt: generate's prefill runs it
+        prefill = prefill_locals()
+        pieces = pieces_after(inst.press, prefill) if shape[1] > 1 else 0
+        notice = eager_notice(inst.press, prefill, cache)
+        if notice is not None:
+            inst.warn("eager", notice)
     cache.begin_forward(inputs, kwargs.get("attention_mask"), shape[1], shape[0], draft=verifies,
                         pieces_left=pieces)
     inst.running.cache = cache

@@ -204,25 +204,25 @@ class Press:
         `ratio=1.0` asked for that). Its budget stays what it is: a press that evicts while decoding holds it once
         the row grows past it.
         """
-        if cache.budgets is None:
-            lengths = cache.prompt_lengths
+        lengths, first = cache.prompt_lengths, cache.budgets is None
+        if first:
             if self.budget is not None:
                 asked = torch.full_like(lengths, self.budget)
             else:
                 asked = (lengths.double() * self.ratio).round().long()
-            budgets = asked.clamp(min=minimum)
-            whole = budgets + beside >= lengths
-            if self.ratio != 1.0 and bool(whole.any()):
-                row = int(lengths.masked_fill(~whole, -1).argmax())
-                kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
-                say_once((type(self), "whole"), (
-                    f"sparsekv: {type(self).__name__}: a prompt of {int(lengths[row])} tokens"
-                    f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "
-                    f"{int(budgets[row]) + beside} tokens the press keeps ({kept}"
-                    f"{f' and {beside} always attended' if beside else ''}). Prompts this short are never compressed "
-                    "(said once)."))
-            cache.budgets = budgets
-        return None if bool((cache.budgets + beside >= cache.prompt_lengths).all()) else cache.budgets
+            cache.budgets = asked.clamp(min=minimum)
+        budgets = cache.budgets
+        whole = budgets + beside >= lengths
+        if first and self.ratio != 1.0 and bool(whole.any()):
+            row = int(lengths.masked_fill(~whole, -1).argmax())
+            kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
+            say_once((type(self), "whole"), (
+                f"sparsekv: {type(self).__name__}: a prompt of {int(lengths[row])} tokens"
+                f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "
+                f"{int(budgets[row]) + beside} tokens the press keeps ({kept}"
+                f"{f' and {beside} always attended' if beside else ''}). Prompts this short are never compressed "
+                "(said once)."))
+        return None if bool(whole.all()) else budgets
 
     def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """After a layer's attention over a piece of a prompt read in pieces, before the last piece (whose

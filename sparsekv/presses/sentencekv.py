@@ -181,7 +181,7 @@ class SentencePress(SnapKVPress):
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
         loaded = int(taus.max())
-        sentence_keys, sizes, slot_sentence = self._fill_store(layer, store, in_store, cache.state.sentences.to(device),
+        sentence_keys, sizes, slot_sentence = self._fill_store(layer, store, in_store, state.sentences.to(device),
                                                                shared, self.sentence_vector, loaded)
         fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]  # (b, 1, 1) real loaded slots
         real = torch.arange(loaded, device=device) < fill[:, 0]  # (b, loaded)
@@ -191,7 +191,7 @@ class SentencePress(SnapKVPress):
         if self.prompt_sentence:
             query_sum += self._seed_queries(cache, call, query_sum.device)
         r = store.shape[1]
-        stack, rank = cache.state.add_layer(
+        stack, rank = state.add_layer(
             call.module.layer_idx, query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes,
             slot_sentence=slot_sentence, slot_room=loading_room(slot_sentence[:, :1], sizes, fill),
             resident=torch.zeros(b, h, r, dtype=torch.bool, device=device),
@@ -220,9 +220,9 @@ class SentencePress(SnapKVPress):
     @staticmethod
     def _fill_store(layer, store, in_store, sentences, shared, vector, loaded):
         """The prefiltered tokens' KV to the offload store (the first `loaded` slots of the working set load from
-        it); returns per sentence the mean of their keys minus
-        `shared` `(b, h, S, d)` (`vector="bounds"`: each channel's max, then its min, concatenated: `(b, h, S, 2 d)`),
-        the stored tokens of each sentence `(b, 1, S)`, and each store slot's sentence `(b, h, R)`.
+        it); returns per sentence the mean of their keys minus `shared` `(b, h, S, d)` (`vector="bounds"`: each
+        channel's max, then its min, concatenated: `(b, h, S, 2 d)`), the stored tokens of each sentence `(b, 1, S)`,
+        and each store slot's sentence `(b, h, R)`.
 
         Only sentences that kept a token are ranked, renumbered in order: the others could take no budget, and
         on long prompts they are most of them (4 in 5 at 8k tokens, r = 2), so each step's sort and similarity
