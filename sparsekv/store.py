@@ -95,12 +95,6 @@ class StoreLayer(KVLayer):
         self.keys, self.values = self.store_keys[:, :, :end], self.store_values[:, :, :end]
         self.positions = self.store_positions[:, None, :end].expand(b, h, end)
 
-    def read_store(self, valid: torch.Tensor) -> None:
-        """Drop the working set: attention reads the store itself again, every token seen (`valid` `(batch,
-        seen)`: which are real), as before the first `gather`, until the next one. Views, no copy."""
-        self._view_store()
-        self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False
-
     def _record(self, keys, values, start):
         """Write tokens `start:` at their slots; grow the store by an eighth when full (the prompt and 256 more
         at first): a few copies over a long generation, little unused room."""
@@ -128,9 +122,15 @@ class StoreLayer(KVLayer):
         self.store_positions = positions
         self.loaded = loaded
 
-    def gather(self, slots: torch.Tensor, valid: torch.Tensor, all_valid: bool | None = None) -> None:
-        """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `all_valid`:
-        whether every one of them is real, when the caller knows (else read from `valid`, a wait on a GPU)."""
+    def gather(self, slots: torch.Tensor | None, valid: torch.Tensor, all_valid: bool | None = None) -> None:
+        """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `valid` `(batch,
+        n)`: which of them are real; `all_valid`: whether every one is, when the caller knows (else read from
+        `valid`, a wait on a GPU). `slots` None: every token seen, in the store's own order, as before the first
+        selection (views of the store, no copy; a store that records every token)."""
+        if slots is None:
+            self._view_store()
+            self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False
+            return
         b, h = self.store_keys.shape[:2]
         index = slots[:, None, :, None].to(self.store_keys.device)
         self.keys, self.values = (t.gather(2, index.expand(b, h, -1, t.shape[-1])).to(self.device)
@@ -140,18 +140,12 @@ class StoreLayer(KVLayer):
         self.all_valid = bool(valid.all()) if all_valid is None else all_valid
         self.compressed = True
 
-    def load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
-             rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Copy store slots `(row, head, slot)` into working-set slots `target` of the same row and head (one gather
-        from the store and one write per tensor, every head at once). `rows`: those slots' keys and values
-        `(n, d)` on this layer's device, when the caller gathered them (several layers' from an offloaded store,
-        in one copy to the device)."""
-        if rows is None and not offloaded(self.store_keys, row.device):
+    def _load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
+              rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """This layer's part of `load_layers`; `rows`: the slots' keys and values `(n, d)` on this layer's device,
+        when `load_layers` gathered them from an offloaded store; None: read from the store here."""
+        if rows is None:
             rows = self.store_keys[row, head, slot], self.store_values[row, head, slot]
-        elif rows is None:  # an offloaded store: one index to its device, not three, and rows into pinned memory
-            index = [flat_index(self.store_keys, row, head, slot)]
-            rows = [gather_rows([t], index).to(self.device, non_blocking=True)
-                    for t in (self.store_keys, self.store_values)]
         self.keys[row, head, target], self.values[row, head, target] = rows
         self.positions[row, head, target] = self.store_positions[row, slot]
 
@@ -180,28 +174,30 @@ class StoreLayer(KVLayer):
         return self.slots
 
 
-def load_layers(layers: list[StoreLayer], entering: torch.Tensor, row: torch.Tensor, head: torch.Tensor,
+def load_layers(layers: list[StoreLayer], rank: torch.Tensor | None, row: torch.Tensor, head: torch.Tensor,
                 slot: torch.Tensor, target: torch.Tensor) -> None:
-    """`StoreLayer.load` for several layers at once: store slots entering their working sets, `entering` `(n, ...)`
-    whose last four columns are (index into `layers`, row, head, slot), sorted by layer, and the same as the
-    tensors `row`, `head`, `slot`, copied into working-set slots `target`. An offloaded store's rows for every
-    loading layer are gathered into one pinned buffer: one copy to the device per tensor (on a GPU one wait), not
-    one a layer; the layers' shares are counted where the store is, without waiting for the device."""
+    """Copy store slots `(row, head, slot)` `(n,)` into working-set slots `target` of the same row and head, in the
+    layers `layers[rank]` (`rank` `(n,)` sorted; None: every one in `layers[0]`). One gather from a store and
+    one write per tensor and layer, every head at once. An offloaded store's rows for every loading layer are
+    gathered into one pinned buffer: one copy to the device per tensor (on a GPU one wait), not one a layer; the
+    layers' shares are counted where the store is, without waiting for the device."""
     store = layers[0].store_keys  # every layer's has the same shape
     elsewhere = offloaded(store, row.device)
-    if elsewhere:
-        entering = entering.to(store.device)
-    counts = torch.bincount(entering[:, -4], minlength=len(layers)).tolist()
-    ranks = [rank for rank, count in enumerate(counts) if count]
-    loading, sizes = [layers[rank] for rank in ranks], [counts[rank] for rank in ranks]
+    if elsewhere:  # the layer ranks and the rows' flat index to the store's device in one copy
+        index = flat_index(store, row, head, slot)
+        both = (index[None] if rank is None else torch.stack([rank, index])).to(store.device)
+        index, rank = both[-1], (None if rank is None else both[0])
+    counts = [slot.numel()] if rank is None else torch.bincount(rank, minlength=len(layers)).tolist()
+    ranks = [i for i, count in enumerate(counts) if count]
+    loading, sizes = [layers[i] for i in ranks], [counts[i] for i in ranks]
     rows = [None] * len(sizes)
     if elsewhere:
-        index = flat_index(store, *entering[:, -3:].unbind(-1)).split(sizes)
+        index = index.split(sizes)
         keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
                         .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
         rows = list(zip(keys, values))
     for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
-        layer.load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
+        layer._load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
 
 
 def _joined_store(stores: list[torch.Tensor], slots: int) -> torch.Tensor:
@@ -221,9 +217,9 @@ def _joined_store(stores: list[torch.Tensor], slots: int) -> torch.Tensor:
 
 def flat_index(store: torch.Tensor, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """The rows of `store` `(batch, heads, slots, d)` viewed as `(batch * heads * slots, d)` that `(row, head,
-    slot)` name, on the store's device: one copy there instead of three."""
+    slot)` name: one index to copy to the store's device instead of three."""
     _, h, r, _ = store.shape
-    return ((row * h + head) * r + slot).to(store.device)
+    return (row * h + head) * r + slot
 
 
 def offloaded(store: torch.Tensor, device: torch.device) -> bool:

@@ -498,8 +498,8 @@ def test_alias_repr_and_errors():
 
 
 def test_an_offloaded_stores_rows_are_gathered_by_one_flat_index():
-    """`StoreLayer.load` from a store on another device moves one flat index there, not three, and `_load_all`
-    gathers every loading layer's rows into one buffer (one copy to the GPU per tensor): the rows gathered are
+    """`load_layers` from a store on another device moves one flat index there, not three, and gathers every
+    loading layer's rows into one buffer (one copy to the GPU per tensor): the rows gathered are
     each store's `(row, head, slot)` rows, one store's after the other, in order."""
     from sparsekv.store import flat_index, gather_rows
 

@@ -139,7 +139,7 @@ def read_stores(cache) -> None:
     start = cache.on("prompt_start", layer.keys.device)[:, None]
     valid = torch.arange(layer.logical_len, device=layer.keys.device) >= start
     for i in state.columns:
-        cache.layers[i].read_store(valid)
+        cache.layers[i].gather(None, valid)
 
 
 def budget_retention(press, lengths: torch.Tensor) -> tuple:

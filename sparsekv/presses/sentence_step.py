@@ -1,4 +1,4 @@
-"""SentenceKV's executor: what copies store tokens into a layer's working set (`load`), and `plan="step"`, which
+"""SentenceKV's executor: which store tokens enter a layer's working set (`load`), and `plan="step"`, which
 ranks and loads every layer's sentences at once when a step begins (`plan_step`), over the stack of their states
 (`LayerStack`). The algorithm it executes is `sparsekv.presses.sentencekv`'s."""
 
@@ -41,7 +41,7 @@ def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bo
     resident.copy_(chosen)
     if slot.numel() == 0:  # the selection did not change: everything is resident already
         return 0
-    layer.load(row, head, slot, target)
+    load_layers([layer], None, row, head, slot, target)
     device_slot[row, head, slot] = target
     return slot.numel()
 
@@ -73,7 +73,7 @@ def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int
     _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
     target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
     stack.device_slot[row, lay, head, slot] = target
-    load_layers([cache.layers[i] for i in stack.ranks], pairs[:n], row, head, slot, target)  # in rank order
+    load_layers([cache.layers[i] for i in stack.ranks], lay, row, head, slot, target)  # in rank order
     return n
 
 
