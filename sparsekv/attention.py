@@ -189,8 +189,8 @@ class AttentionCall:
         query sees every key.
         """
         queries = self.queries(start, end, scaled=True)
-        if mask is None and self.input_valid is None:
-            return attention_probs(self.module, queries, keys, None)
+        if self.input_valid is None:  # every query is real (a decoding step's always): the mask as given
+            return attention_probs(self.module, queries, keys, None if mask is None else mask[:, None, None])
         valid = self.valid()[:, start:end, None]  # (batch, q, 1): broadcast over the keys
         mask = valid if mask is None else mask & valid
         return attention_probs(self.module, queries, keys, mask[:, None, None])

@@ -60,10 +60,9 @@ class H2OPress(Press):
         The tokens seen are the newest token's position plus one, read from the layer's last slot (where a
         forward's newest token is until an eviction moves it): on the device, so that nothing which changes from
         step to step is read on the host (a compiled step would be traced anew for it)."""
-        length = layer.positions[..., -1:] + 1  # (batch, heads, 1)
+        age = layer.positions[..., -1:] + 1 - layer.positions  # queries that saw each token (its own included)
         recent = (cache.on("budgets", layer.keys.device).double() * self.recent_ratio).round().long()
-        scores = layer.extra["received"] / (length - layer.positions)
-        return scores.masked_fill_(layer.positions >= length - recent[:, None, None], float("inf"))
+        return (layer.extra["received"] / age).masked_fill_(age <= recent[:, None, None], float("inf"))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
