@@ -112,7 +112,8 @@ def check_model(model: torch.nn.Module) -> list[torch.nn.Module]:
         name, module = attention[0]
         raise refuse(f"its attention modules (`{name}`, {type(module).__name__}) are not decoder layers' `self_attn` "
                      "modules, the ones sparsekv hooks")
-    shared = sorted({m.layer_idx for name, m in indexed if name.endswith("self_attn") and m is not modules[m.layer_idx]})
+    shared = sorted({m.layer_idx for name, m in indexed
+                     if name.endswith("self_attn") and m is not modules[m.layer_idx]})
     if shared:
         raise refuse(f"several attention modules share layer index {shared[0]} (one cache layer for each), so what "
                      "a press keeps for one would be read by the other")

@@ -236,9 +236,10 @@ def check_hub(name: str, timeout: float = 5.0) -> None:
         return  # it answered
     except (OSError, ValueError) as err:
         raise ModelFetchError(
-            f"model {name!r}: the Hugging Face Hub ({constants.ENDPOINT}) is unreachable here ({getattr(err, 'reason', err)})"
-            f" and the model is not in its local cache; use an offline model ({', '.join(MODELS)}), a local .gguf "
-            "file or model folder, or fetch it where the Hub is reachable.") from None
+            f"model {name!r}: the Hugging Face Hub ({constants.ENDPOINT}) is unreachable here "
+            f"({getattr(err, 'reason', err)}) and the model is not in its local cache; use an offline model "
+            f"({', '.join(MODELS)}), a local .gguf file or model folder, or fetch it where the Hub is "
+            "reachable.") from None
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",

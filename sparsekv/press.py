@@ -91,8 +91,9 @@ class Press:
         return super().__new__(cls)
 
     def __enter__(self):
-        raise TypeError(f"{type(self).__name__}: a press is applied to a model, `with {type(self).__name__}(...)(model):`"
-                        " (the press, called with the model); not `with press:`.")
+        name = type(self).__name__
+        raise TypeError(f"{name}: a press is applied to a model, `with {name}(...)(model):` (the press, called with "
+                        "the model); not `with press:`.")
 
     def __exit__(self, *exc):  # (`with` looks for both before it calls `__enter__`)
         return None
@@ -101,7 +102,8 @@ class Press:
         super().__init_subclass__(**kwargs)
         for method, flag in (("before_attention", "selects_before_attention"), ("on_queries", "reads_step_queries")):
             derived = getattr(cls, method) is not getattr(Press, method)
-            if flag in cls.__dict__ and cls.__dict__[flag] != derived:  # (declared by hand, as before they were derived)
+            # (declared by hand, as before they were derived)
+            if flag in cls.__dict__ and cls.__dict__[flag] != derived:
                 raise TypeError(f"{cls.__name__}: {flag} follows from overriding {method}; remove {flag} = "
                                 f"{cls.__dict__[flag]}" + (" (to keep the decoding steps' query projections without "
                                 "on_queries, declare captures_step_queries = True)." if flag == "reads_step_queries"

@@ -104,8 +104,8 @@ def compiled_cache(model, press, new: int = 8):
 @torch.no_grad()
 def test_generate_compiles_the_decoding_steps(press, batch):
     """Under a press whose steps compile (`compiled_decoding`), generate given a `compile_config` and a cache
-    the press made `compiled` compiles its decoding forward: the eager tokens exactly, greedy, one prompt or a left-padded
-    batch, with no graph break. Its graphs are traced at the first step and never again: not at later steps
+    the press made `compiled` compiles its decoding forward: the eager tokens exactly, greedy, one prompt or a
+    left-padded batch, with no graph break. Its graphs are traced at the first step and never again: not at later steps
     (the step reads no Python value that changes, `KVLayer.count_step`), not for a second generation; none takes
     an int (which CUDA graphs would record anew for each value), and no two tensor inputs share memory (CUDA graphs
     skip a graph that writes into such inputs). Without a `compile_config`, or on a cache not made `compiled`,

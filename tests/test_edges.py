@@ -142,7 +142,7 @@ def test_a_fraction_per_row_selects_as_the_quantile_does():
                            top_fraction(scores, active, rho))
 
 
-# --- padding on the right ----------------------------------------------------------------------------------------------
+# --- padding on the right ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
 def test_right_padding_is_refused_naming_the_fix(press_cls):
     model = make_model("llama")
@@ -155,7 +155,7 @@ def test_right_padding_is_refused_naming_the_fix(press_cls):
     assert hook_count(model) == hooks
 
 
-# --- a cache under another press, threads ------------------------------------------------------------------------------
+# --- a cache under another press, threads -----------------------------------------------------------------------------
 def test_a_cache_continued_under_another_press_is_refused_naming_both():
     model = make_model("llama")
     first, second = SnapKVPress(ratio=0.5, window_size=8), H2OPress(ratio=0.5)
@@ -196,7 +196,7 @@ def test_a_press_applies_to_every_caller_of_the_model_while_its_block_is_open():
     assert torch.equal(greedy(model, ids), plain)
 
 
-# --- the common slips, refused with what to write ----------------------------------------------------------------------
+# --- the common slips, refused with what to write ---------------------------------------------------------------------
 @pytest.mark.parametrize("make, error, message", [
     (lambda: ChunkPress(0.1), TypeError, r"ChunkPress takes its options by keyword: ChunkPress\(ratio=0.1\)"),
     (lambda: SnapKVPress(compression_ratio=0.3), TypeError,

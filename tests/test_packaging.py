@@ -77,6 +77,17 @@ def test_docs_hold_no_placeholders():
     assert not found, found
 
 
+def test_the_code_keeps_to_its_line_length():
+    """pyproject.toml's `line-length` holds for every Python file of the package, its tests and benchmarks (no
+    linter runs in CI, so this is what keeps lines within it)."""
+    root = Path(__file__).parents[1]
+    limit = int(re.search(r"^line-length\s*=\s*(\d+)", (root / "pyproject.toml").read_text(), re.M).group(1))
+    found = [f"{path.relative_to(root)}:{number}"
+             for folder in ("sparsekv", "tests", "benchmarks") for path in sorted((root / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
+    assert not found, found
+
+
 def test_the_help_lists_what_the_library_has():
     """The command line's help names the presses, tasks and dtypes without importing them (a quick `--help`):
     its lists are the registry's, the tasks' and the models' own."""

@@ -531,5 +531,6 @@ def test_one_host_read_loads_what_two_do(seed):
         moved += copied
         for name in ("keys", "values", "positions"):
             assert torch.equal(getattr(layer, name), getattr(twin, name)), name
-        assert torch.equal(stack.device_slot, twin_stack.device_slot) and torch.equal(stack.resident, twin_stack.resident)
+        assert torch.equal(stack.device_slot, twin_stack.device_slot)
+        assert torch.equal(stack.resident, twin_stack.resident)
     assert moved > 0  # a new mean query moved tokens in and out

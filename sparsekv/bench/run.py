@@ -109,7 +109,8 @@ def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, 
     check_inputs(lengths, presses, ratios, budgets, max_new_tokens, 1, limit)
     if not memory_budget_gb > 0:
         raise ValueError(f"--memory-budget: must be a positive number of GB; got {memory_budget_gb}.")
-    settings = list(dict.fromkeys(s for triple in plan(lengths, presses, ratios, budgets) for s in triple[1:] + triple[:1]))
+    triples = plan(lengths, presses, ratios, budgets)
+    settings = list(dict.fromkeys(s for triple in triples for s in triple[1:] + triple[:1]))
     if rows_apart:
         check_rows_apart(settings, tokenizer, lengths)
     source, _ = build_needle_prompt(tokenizer, math.ceil(1.03 * max(lengths)) + 16)

@@ -173,7 +173,8 @@ def figure(results: list[dict]):
         rows = [row for row in _records(table) if row["mean"] is not None]  # a row missing a task has no mean
         tasks = list(table.columns[: list(table.columns).index("KV kept")])
         for model, length in sorted({(row["model"], row["length"]) for row in rows}):
-            panels.append((name, model, length, tasks, [r for r in rows if (r["model"], r["length"]) == (model, length)]))
+            mine = [r for r in rows if (r["model"], r["length"]) == (model, length)]
+            panels.append((name, model, length, tasks, mine))
     fig = Figure(figsize=(6.5 * len(panels), 4.8))
     axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (name, model, length, tasks, panel) in zip(axes[0], panels):
