@@ -125,8 +125,8 @@ class StoreLayer(KVLayer):
     def gather(self, slots: torch.Tensor | None, valid: torch.Tensor, all_valid: bool | None = None) -> None:
         """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `valid` `(batch,
         n)`: which of them are real; `all_valid`: whether every one is, when the caller knows (else read from
-        `valid`, a wait on a GPU). `slots` None: every token seen, in the store's own order, as before the first
-        selection (views of the store, no copy; a store that records every token)."""
+        `valid`, a wait on a GPU). `slots` None: every token seen (`valid` `(batch, seen)`), at its position, as
+        before the first selection: views of the store, no copy (a store that records every token)."""
         if slots is None:
             self._view_store()
             self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False
