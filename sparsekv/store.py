@@ -183,10 +183,12 @@ def load_layers(layers: list[StoreLayer], rank: torch.Tensor | None, row: torch.
     layers' shares are counted where the store is, without waiting for the device."""
     store = layers[0].store_keys  # every layer's has the same shape
     elsewhere = offloaded(store, row.device)
-    if elsewhere:  # the layer ranks and the rows' flat index to the store's device in one copy
+    if elsewhere:  # the rows' flat index to the store's device, with the layer ranks when given: one copy
         index = flat_index(store, row, head, slot)
-        both = (index[None] if rank is None else torch.stack([rank, index])).to(store.device)
-        index, rank = both[-1], (None if rank is None else both[0])
+        if rank is None:
+            index = index.to(store.device)
+        else:
+            rank, index = torch.stack([rank, index]).to(store.device)
     counts = [slot.numel()] if rank is None else torch.bincount(rank, minlength=len(layers)).tolist()
     ranks = [i for i, count in enumerate(counts) if count]
     loading, sizes = [layers[i] for i in ranks], [counts[i] for i in ranks]
