@@ -64,7 +64,7 @@ run tests_more 240 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf -n
   tests/test_models.py tests/test_gpu_benchmarks.py tests/test_pipeline.py
 
 SHAPE=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bfloat16)
-B1_PRESSES=${B1_PRESSES:-snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:plan=layer}
+B1_PRESSES=${B1_PRESSES:-snapkv,streamingllm,chunkkv,h2o,chess,sentencekv,sentencekv:rank_at=layer}
 run decode32k_b1 150 python3 -m benchmarks.decode_vs_oracle "${SHAPE[@]}" --length 32768 --batch 1 --steps 16 \
   --repeats 3 --count-syncs --presses "$B1_PRESSES" \
   --json "$OUT/decode32k_b1.json"

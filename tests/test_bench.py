@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from sparsekv import bench, make_press
-from sparsekv.bench import Setting, medians, plan, run_bench, slope_per_1k, step_latencies, summarize
+from sparsekv.bench import Setting, medians, run_bench, slope_per_1k, step_latencies, summarize, sweep
 from sparsekv.bench.timing import _release_memory
 from sparsekv.cli import main
 from sparsekv.evaluation.tasks import INTRO, NOISE
@@ -80,7 +80,7 @@ def fake_run(prefill, steps, peak, kv_bytes, resident):
 
 
 def test_rows_and_ratios_are_ratios_of_the_medians():
-    triples = plan([1000], ["h2o"], ratios=[0.25])
+    triples = sweep([1000], ["h2o"], ratios=[0.25])
     press, full, oracle = triples[0]
     assert (full, oracle) == (Setting("full", 1000), Setting("full", 250))
     runs = {
@@ -157,8 +157,8 @@ def test_plot_and_json_written(measured):
 
 
 # --- batches: throughput --------------------------------------------------------------------------------------------
-def test_plan_at_several_batch_sizes_and_ragged_rows():
-    triples = plan([1000], ["snapkv"], ratios=[0.1], batch_sizes=[1, 4], ragged=True)
+def test_a_sweep_at_several_batch_sizes_and_ragged_rows():
+    triples = sweep([1000], ["snapkv"], ratios=[0.1], batch_sizes=[1, 4], ragged=True)
     assert [(p.batch, f.batch, o.batch) for p, f, o in triples] == [(1, 1, 1), (4, 4, 4)]
     press, full, oracle = triples[1]
     assert press.row_lengths() == full.row_lengths() == [1000, 833, 667, 500]
@@ -167,7 +167,7 @@ def test_plan_at_several_batch_sizes_and_ragged_rows():
     ids, mask = bench.batch_inputs(torch.arange(10)[None], [4, 2], pad_id=-1)
     assert ids.tolist() == [[6, 7, 8, 9], [-1, -1, 8, 9]] and mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
     with pytest.raises(ValueError, match="--budgets: 600 exceeds the 500-token prompt of a row"):
-        plan([1000], ["snapkv"], budgets=[600], batch_sizes=[2], ragged=True)
+        sweep([1000], ["snapkv"], budgets=[600], batch_sizes=[2], ragged=True)
 
 
 def test_batched_run_reports_throughput_per_batch(model, tokenizer, tmp_path):

@@ -37,9 +37,9 @@ def registered_presses() -> list[type[Press]]:
 
 @dataclasses.dataclass(kw_only=True)
 class SentencePressRankedPerLayer(SentencePress):
-    """`SentencePress(plan="layer")` (the paper's order), whose decoding path is its own: in every test too."""
+    """`SentencePress(rank_at="layer")` (the paper's order), whose decoding path is its own: in every test too."""
 
-    plan: str = "layer"
+    rank_at: str = "layer"
 
 
 PRESSES = registered_presses() + [SentencePressRankedPerLayer]

@@ -17,7 +17,7 @@ JOINING = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), Streaming
            ChunkPress(ratio=0.3, window_size=8, chunk_size=5),
            SentencePress(make_tokenizer(), ratio=0.3, n_sinks=4, window_size=8),  # (stores of 72 / 68 / 54 slots)
            # (stores with empty slots: keep_factor x tau is more than a row has besides its sinks and window)
-           SentencePress(make_tokenizer(), ratio=0.47, n_sinks=4, window_size=8, plan="layer")]
+           SentencePress(make_tokenizer(), ratio=0.47, n_sinks=4, window_size=8, rank_at="layer")]
 
 
 def batch(length: int = 120) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +46,8 @@ def together(model, press, ids, mask, **generate):
 
 
 @pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("gemma3", "eager"), ("qwen2", "sdpa")])
-@pytest.mark.parametrize("press", JOINING, ids=lambda p: type(p).__name__ + getattr(p, "plan", "").replace("step", ""))
+@pytest.mark.parametrize("press", JOINING,
+                         ids=lambda p: type(p).__name__ + getattr(p, "rank_at", "").replace("step", ""))
 def test_rows_prefilled_apart_generate_what_the_batch_does(arch, impl, press):
     """Same kept prompt tokens per row and head, same budgets, same greedy tokens (evictions while decoding
     included) as the batch prefilled together; Gemma3's sliding layers joined too."""

@@ -9,7 +9,7 @@ from conftest import greedy, make_model, make_tokenizer, prompt
 
 import sparsekv
 from sparsekv import CHESSPress, ChunkPress, SentencePress, SnapKVPress, make_press
-from sparsekv.bench import plan
+from sparsekv.bench import sweep
 from sparsekv.evaluation import EvalConfig
 from sparsekv.presses.registry import registered, split_specs
 
@@ -49,7 +49,7 @@ def test_the_evaluation_and_the_benchmark_use_the_registry_without_a_tokenizer()
     EvalConfig(model="m", tasks=["niah_single"], presses=["sentencekv:keep_factor=3", "full"])  # no placeholder
     with pytest.raises(ValueError, match="has no option 'keepfactor'"):
         EvalConfig(model="m", tasks=["niah_single"], presses=["sentencekv:keepfactor=3"])
-    assert [s.press for s, _, _ in plan([100], ["snapkv:window_size=8", "full"], ratios=[0.5])] == \
+    assert [s.press for s, _, _ in sweep([100], ["snapkv:window_size=8", "full"], ratios=[0.5])] == \
         ["snapkv:window_size=8"]
 
 
@@ -84,7 +84,7 @@ def test_a_press_of_another_package_joins_by_name(dummy_distribution):
     press = make_press("KeyNorm:ratio=0.25")
     assert type(press).__name__ == "KeyNormPress" and press.ratio == 0.25
     EvalConfig(model="m", tasks=["niah_single"], presses=["keynorm"])  # `sparsekv eval --presses keynorm`
-    assert plan([100], ["keynorm"], ratios=[0.5])[0][0].press == "keynorm"  # `sparsekv bench --presses keynorm`
+    assert sweep([100], ["keynorm"], ratios=[0.5])[0][0].press == "keynorm"  # `sparsekv bench --presses keynorm`
     model = make_model("llama")
     with press(model):
         out = greedy(model, prompt(64), new=3, return_dict_in_generate=True)

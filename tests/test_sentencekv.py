@@ -151,7 +151,7 @@ def loaded_positions(layer, n: int) -> list[int]:
 def test_selection_follows_the_query_and_resets_at_sentence_ends():
     """Two sentences with orthogonal mean keys: the loaded one is the one the generated sentence's mean query
     points at, and it changes once a sentence ends and the next one points elsewhere."""
-    p = press(budget=4, plan="layer")  # 4 loaded slots, ranked at each query
+    p = press(budget=4, rank_at="layer")  # 4 loaded slots, ranked at each query
     (layer, cache), d = two_sentence_layer(p), 4
     toward = lambda i: torch.eye(d)[i].view(1, 1, 1, d)  # noqa: E731
     p.on_queries(cache, layer, fake_call(toward(0)))
@@ -171,7 +171,7 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
 def test_only_tokens_entering_the_selection_are_copied():
     """6 loaded slots: the best sentence whole, then the other's first 2 tokens. When the query turns, the 4
     tokens kept by both selections stay in their slots; the 2 that enter take the slots of the 2 that leave."""
-    p = press(budget=6, plan="layer")
+    p = press(budget=6, rank_at="layer")
     layer, cache = two_sentence_layer(p, fill=6, loaded=6)
     p.on_queries(cache, layer, fake_call(torch.eye(4)[0].view(1, 1, 1, 4)))
     assert loaded_positions(layer, 6) == [100, 101, 102, 103, 104, 105]
@@ -184,7 +184,7 @@ def test_only_tokens_entering_the_selection_are_copied():
 
 
 def test_a_row_filling_fewer_slots_loads_its_best_tokens_and_leaves_the_filler():
-    p = press(budget=4, plan="layer")
+    p = press(budget=4, rank_at="layer")
     layer, cache = two_sentence_layer(p, fill=3)
     p.on_queries(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4)))
     assert loaded_positions(layer, 3) == [104, 105, 106]  # sentence 1's first three tokens
@@ -224,10 +224,10 @@ def test_a_prompt_ending_inside_a_sentence_starts_the_mean_query(impl):
 
 @dataclass(kw_only=True)
 class RankedBeforeTheQuery(SentencePress):
-    """The definition of `plan="step"`, written per layer: each layer ranks and loads with its sum of the queries
+    """The definition of `rank_at="step"`, written per layer: each layer ranks and loads with its sum of the queries
     before the step's, and a row whose sentence has no query yet keeps its selection; then the query joins."""
 
-    plan: str = "layer"  # the per-layer path, changed here
+    rank_at: str = "layer"  # the per-layer path, changed here
 
     def on_queries(self, cache, layer, call):
         stack, rank = cache.state.find(call.module.layer_idx)
@@ -243,8 +243,8 @@ class RankedBeforeTheQuery(SentencePress):
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_step(arch, rows):
-    """`plan="step"` ranks and loads every layer when a step begins: the same slots, KV and logits as each layer
+def test_ranking_at_the_step_loads_what_each_layer_would_with_the_queries_before_the_step(arch, rows):
+    """`rank_at="step"` ranks and loads every layer when a step begins: the same slots, KV and logits as each layer
     ranking at its own query with the sums of the queries before the step's (one row, and a padded batch of two;
     the tokens fed end a sentence twice, so the sums restart and a row keeps its selection while its new sentence
     is empty). Llama's queries are kept as projections and rotated for every layer at once after the last (one
@@ -259,7 +259,7 @@ def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_ste
     fed = prompt(12, batch=2, seed=5)[:rows]
     fed[:, 3], fed[0, 8] = period, period
     runs = []
-    for p in (press(budget=30, plan="step"), RankedBeforeTheQuery(make_tokenizer(), n_sinks=4, window_size=8,
+    for p in (press(budget=30, rank_at="step"), RankedBeforeTheQuery(make_tokenizer(), n_sinks=4, window_size=8,
                                                                    budget=30)):
         with p(model), torch.no_grad():  # each row's own positions, as generate gives them
             out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
@@ -270,19 +270,19 @@ def test_a_step_plan_loads_what_each_layer_would_with_the_queries_before_the_ste
                             position_ids=seen.sum(-1, keepdim=True) - 1)
                 logits.append(out.logits[:, -1])
         runs.append((out.cache, torch.stack(logits, 1)))
-    (planned, planned_logits), (reference, reference_logits) = runs
-    assert planned.stats().counts["loads"] > 0
-    torch.testing.assert_close(planned_logits, reference_logits)
-    for a, b in zip(compressed(planned), compressed(reference)):
+    (at_step, at_step_logits), (reference, reference_logits) = runs
+    assert at_step.stats().counts["loads"] > 0
+    torch.testing.assert_close(at_step_logits, reference_logits)
+    for a, b in zip(compressed(at_step), compressed(reference)):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
-    torch.testing.assert_close(planned.state.stacks[0].query_sum, reference.state.stacks[0].query_sum)
+    torch.testing.assert_close(at_step.state.stacks[0].query_sum, reference.state.stacks[0].query_sum)
 
 
-@pytest.mark.parametrize("plan", ["step", "layer"])
-def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(plan, monkeypatch):
+@pytest.mark.parametrize("rank_at", ["step", "layer"])
+def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(rank_at, monkeypatch):
     """The path a GPU takes with its store on the host (SentencePress's default there: `offloaded`), taken on the
     device the tests run on: the entering slots moved to the store's side once, every loading layer's rows
-    gathered into one buffer and copied over (`plan="step"`), or each layer's (`plan="layer"`), give the same
+    gathered into one buffer and copied over (`rank_at="step"`), or each layer's (`rank_at="layer"`), give the same
     working sets, positions and logits as loads from a store beside the model."""
     import sparsekv.store
 
@@ -298,7 +298,7 @@ def test_loads_from_an_offloaded_store_match_loads_from_one_beside_the_model(pla
             return away or store.device != device
 
         monkeypatch.setattr(sparsekv.store, "offloaded", elsewhere)
-        with press(budget=30, plan=plan)(model), torch.no_grad():
+        with press(budget=30, rank_at=rank_at)(model), torch.no_grad():
             out = model(ids)
             logits = []
             for t in range(fed.shape[1]):

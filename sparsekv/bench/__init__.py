@@ -20,8 +20,8 @@ are those of the cache at the end of the generation (`SparseCache.stats()`).
 from .timing import PeakRSS, StepClock, measure, medians, running_median, slope_per_1k, step_latencies, timed_generate
 from .report import format_capacity, format_rows, plot_latency, plot_throughput, summarize
 from .run import run_bench, run_capacity
-from .settings import Setting, batch_inputs, check_inputs, plan
+from .settings import Setting, batch_inputs, check_inputs, sweep
 
 __all__ = ["PeakRSS", "Setting", "StepClock", "batch_inputs", "check_inputs", "format_capacity", "format_rows",
-           "measure", "medians", "plan", "plot_latency", "plot_throughput", "run_bench", "run_capacity",
-           "running_median", "slope_per_1k", "step_latencies", "summarize", "timed_generate"]
+           "measure", "medians", "plot_latency", "plot_throughput", "run_bench", "run_capacity",
+           "running_median", "slope_per_1k", "step_latencies", "summarize", "sweep", "timed_generate"]

@@ -15,7 +15,7 @@ from ..environment import environment
 from ..niah import build_needle_prompt
 from .timing import measure
 from .report import plot_latency, plot_throughput, summarize
-from .settings import Setting, batch_inputs, check_inputs, check_rows_apart, plan
+from .settings import Setting, batch_inputs, check_inputs, check_rows_apart, sweep
 
 WARMUP_TOKENS = 1024  # warm-up prompt length (at most the configuration's own)
 
@@ -39,7 +39,7 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
     check_inputs(lengths, presses, ratios, budgets, max_new_tokens, repeats, limit, plot, json_path)
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"--batch-sizes: give integers >= 1; got {list(batch_sizes)}.")
-    triples = plan(lengths, presses, ratios, budgets, batch_sizes, ragged)
+    triples = sweep(lengths, presses, ratios, budgets, batch_sizes, ragged)
     settings = list(dict.fromkeys(s for triple in triples for s in (triple[1], triple[2], triple[0])))
     if rows_apart:
         check_rows_apart(settings, tokenizer, lengths)
@@ -109,7 +109,7 @@ def run_capacity(model, tokenizer, lengths, presses, ratios=None, budgets=None, 
     check_inputs(lengths, presses, ratios, budgets, max_new_tokens, 1, limit)
     if not memory_budget_gb > 0:
         raise ValueError(f"--memory-budget: must be a positive number of GB; got {memory_budget_gb}.")
-    triples = plan(lengths, presses, ratios, budgets)
+    triples = sweep(lengths, presses, ratios, budgets)
     settings = list(dict.fromkeys(s for triple in triples for s in triple[1:] + triple[:1]))
     if rows_apart:
         check_rows_apart(settings, tokenizer, lengths)

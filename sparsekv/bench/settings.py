@@ -49,8 +49,8 @@ class Setting:
         return None if self.press == "full" else make_press(self.press, self.ratio, self.budget, tokenizer)
 
 
-def plan(lengths, presses, ratios=None, budgets=None, batch_sizes=(1,), ragged: bool = False
-         ) -> list[tuple[Setting, Setting, Setting]]:
+def sweep(lengths, presses, ratios=None, budgets=None, batch_sizes=(1,), ragged: bool = False
+          ) -> list[tuple[Setting, Setting, Setting]]:
     """`(press, full cache at the same length and batch, oracle)` for every length x batch x press x ratio (or
     budget).
 

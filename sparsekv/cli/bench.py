@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     """Run `sparsekv bench` with parsed `args`; bad inputs exit through `args.parser.error`."""
     import torch
 
-    from ..bench import check_inputs, format_capacity, format_rows, plan, run_bench, run_capacity
+    from ..bench import check_inputs, format_capacity, format_rows, run_bench, run_capacity, sweep
     from ..evaluation.runner import check_model_name
     from ..models import MODELS, load_model
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         check_model_name(args.model)
         check_inputs(args.lengths, args.presses, ratios, args.budgets, args.max_new_tokens, args.repeats,
                      spec.context_length if spec else None, args.plot, args.json)
-        plan(args.lengths, args.presses, ratios, args.budgets, args.batch_sizes, args.ragged)
+        sweep(args.lengths, args.presses, ratios, args.budgets, args.batch_sizes, args.ragged)
         if args.memory_budget is not None and (args.memory_budget <= 0 or args.batch_sizes != [1] or args.ragged):
             raise ValueError("--memory-budget: a positive number of GB, without --batch-sizes or --ragged (it "
                              "searches the batch size itself).")

@@ -52,8 +52,8 @@ class SentenceState(RowState):
 @dataclass
 class LayerStack(RowState):
     """The ranking state of the compressed layers on one device, stacked on dim 1 (batch first, then layers), so
-    that a step ranks and loads for all of them with one set of ops (`plan="step"`), and a layer reads its own
-    as a slice (`at`, `plan="layer"`). Each layer adds its own when it compresses the prompt (`add`).
+    that a step ranks and loads for all of them with one set of ops (`rank_at="step"`), and a layer reads its
+    own as a slice (`at`, `rank_at="layer"`). Each layer adds its own when it compresses the prompt (`add`).
 
     A layer's sentences are numbered from 0, the ones that kept a token, and the last index is the sentence of
     empty store slots (no tokens, never loaded). Layers keep different counts: every layer's are padded to the

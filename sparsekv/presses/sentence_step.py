@@ -1,6 +1,6 @@
-"""SentenceKV's executor: which store tokens enter a layer's working set (`load`), and `plan="step"`, which
-ranks and loads every layer's sentences at once when a step begins (`plan_step`), over the stack of their states
-(`LayerStack`). The algorithm it executes is `sparsekv.presses.sentencekv`'s."""
+"""SentenceKV's executor: which store tokens enter a layer's working set (`load`), and `rank_at="step"`,
+which ranks and loads every layer's sentences at once when a step begins (`rank_step`), over the stack of their
+states (`LayerStack`). The algorithm it executes is `sparsekv.presses.sentencekv`'s."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bo
     return slot.numel()
 
 
-def plan_step(press, cache: SparseCache) -> None:
+def rank_step(press, cache: SparseCache) -> None:
     """Rank and load every compressed layer's sentences for the forward about to run, from the sums of the
-    queries so far (`plan="step"`): one stack at a time (one per device)."""
+    queries so far (`rank_at="step"`): one stack at a time (one per device)."""
     for stack in cache.state.stacks:
         chosen = press.chosen(stack)
         # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.

@@ -2,7 +2,7 @@
 
 The algorithm, as the paper lays it out: prefill (sec. 4.1) in `compress`, decoding (sec. 4.2, Algorithm 1) in
 `on_queries`, `similarity` and `chosen`. Its state: `sentence_state`; its executor (loading chosen tokens, and
-`plan="step"`): `sentence_step`.
+`rank_at="step"`): `sentence_step`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..options import check_number
 from ..store import StoreLayer
 from .sentence_segment import closes_sentence, sentence_ids
 from .sentence_state import SentenceState, as_rows, end_sentence
-from .sentence_step import load, loading_room, plan_step
+from .sentence_step import load, loading_room, rank_step
 from .snapkv import SnapKVPress
 
 
@@ -39,7 +39,7 @@ class SentencePress(SnapKVPress):
     loaded tokens, the recent window and the generated tokens.
 
     Where sparsekv departs from the paper, each one option away (`max_sentence_tokens=128,
-    sentence_vector="mean", plan="layer"` is the paper's eq. 1 and Algorithm 1; their measured effect:
+    sentence_vector="mean", rank_at="layer"` is the paper's eq. 1 and Algorithm 1; their measured effect:
     docs/results.md): sentences cut at 32 tokens, a sentence scored by the most any of its keys can score, keys
     taken relative to the prompt's mean key, the generated sentence begun in the prompt, every layer ranked when a
     step begins. The sinks and the window (32 + 32, the authors' code; the paper names neither) come on top of tau.
@@ -69,9 +69,9 @@ class SentencePress(SnapKVPress):
             sentences): each channel's min and max over its kept keys, scored `sum_i max(q_i min_i, q_i max_i)`,
             the most any of its keys can score (twice the device memory of a mean). "mean": eq. 1's mean key,
             scored `q . k_s`.
-        plan: when sentences are ranked and loaded. "step" (default, sparsekv's): every layer's at once when a step
-            begins, from the queries before the step's (`sentence_step`); "layer" (Algorithm 1's order): each layer
-            once it has the step's query.
+        rank_at: when a decoding step ranks and loads the sentences. "step" (default, sparsekv's): every layer's
+            at once when the step begins, from the queries before the step's (`sentence_step`); "layer"
+            (Algorithm 1's order): each layer once it has the step's query.
     """
 
     tokenizer: Any = field(default=None, repr=False, compare=False, kw_only=False)
@@ -82,7 +82,7 @@ class SentencePress(SnapKVPress):
     prompt_sentence: bool = True
     centre: bool = True
     sentence_vector: str = "bounds"
-    plan: str = "step"
+    rank_at: str = "step"
     reads_input_ids: ClassVar[bool] = True
     compiled_decoding: ClassVar[bool] = False  # a step reads the host (which rows end a sentence, which tokens load)
     joins_rows: ClassVar[bool] = True  # stores and sentences padded per row (`StoreLayer.joined`, the state's)
@@ -100,9 +100,9 @@ class SentencePress(SnapKVPress):
         for name in ("prompt_sentence", "centre"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SentencePress: {name} must be True or False; got {getattr(self, name)!r}.")
-        if self.plan not in ("layer", "step"):
-            raise ValueError(f"SentencePress: plan must be 'layer' (each layer at its query, the paper's) or 'step' "
-                             f"(every layer when a step begins); got {self.plan!r}.")
+        if self.rank_at not in ("layer", "step"):
+            raise ValueError(f"SentencePress: rank_at must be 'layer' (each layer at its query, the paper's) or "
+                             f"'step' (every layer when a step begins); got {self.rank_at!r}.")
         if self.sentence_vector not in ("mean", "bounds"):
             raise ValueError(f"SentencePress: sentence_vector must be 'mean' (eq. 1) or 'bounds'; got "
                              f"{self.sentence_vector!r}.")
@@ -144,8 +144,8 @@ class SentencePress(SnapKVPress):
         forward.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
         for stack in state.stacks:  # this forward's queries, kept for `crop`
             stack.step_queries = [None] * len(stack.ranks)
-        if self.plan == "step":
-            plan_step(self, cache)
+        if self.rank_at == "step":
+            rank_step(self, cache)
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
@@ -280,7 +280,7 @@ class SentencePress(SnapKVPress):
         added = queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
         stack.query_sum.select(1, rank).add_(added)  # eq. 2 (two ops; `[:, rank] +=` takes four)
         stack.step_queries[rank], stack.before_reset = queries, None  # kept for `crop`, no copy
-        if self.plan == "step":  # ranked and loaded when the step began, with the queries before it
+        if self.rank_at == "step":  # ranked and loaded when the step began, with the queries before it
             return
         copied = load(layer, stack, rank, self.chosen(stack.at(rank)))  # Algorithm 1, at this layer's query
         cache.counts["loaded_tokens"] += copied
@@ -296,7 +296,7 @@ class SentencePress(SnapKVPress):
         if keys.shape[-1] != query.shape[-1]:  # bounds [max | min]: q_i max_i where q_i > 0, q_i min_i elsewhere
             query = torch.cat([query.clamp(min=0), query.clamp(max=0)], dim=-1)
         # One batched product, never the elementwise product and a sum: that writes and reads a temporary the size
-        # of every sentence vector (all layers' with `plan="step"`), 2.5x the time of the product.
+        # of every sentence vector (all layers' with `rank_at="step"`), 2.5x the time of the product.
         return torch.matmul(keys, query.transpose(-1, -2)).squeeze(-1)
 
     @classmethod
