@@ -28,6 +28,11 @@ from .log import logger
 _active: weakref.WeakSet = weakref.WeakSet()  # models with a press installed: presses do not nest
 
 
+def installed(model: torch.nn.Module) -> bool:
+    """Whether a press is installed on `model` now (inside `with press(model):`)."""
+    return model in _active
+
+
 def _without_grad(hook):
     """`hook` under `torch.no_grad()` (press work never needs gradients), entered only when gradients are on:
     generate runs without them, and entering the context costs a few microseconds a call, at every layer of

@@ -20,7 +20,7 @@ from transformers import Cache, DynamicCache, GenerationConfig
 
 from .architectures import attention_modules, compressed_layers
 from .cache import SparseCache
-from .hooks import _active
+from .hooks import installed
 from .join import check_joins_rows, join_layers
 
 
@@ -48,7 +48,7 @@ class Prefill:
     @torch.no_grad()
     def run(cls, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prefill:
         """Run the prompt through `model` once (no press may be installed) and record what presses need."""
-        if model in _active:
+        if installed(model):
             raise ValueError("model: record the prefill outside `with press(model):`; it must run uncompressed.")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -121,7 +121,7 @@ class Prefill:
                                       cache=copy.deepcopy(self.cache) if cache is None else cache)
         else:
             cache = cache if cache is not None else self.compress(press)
-            with nullcontext() if self.model in _active else press(self.model):
+            with nullcontext() if installed(self.model) else press(self.model):
                 out = self.model.generate(ids, attention_mask=mask, cache=cache, generation_config=config)
         if bool(done.any()):  # rows whose first token ended them: padding after it, as generate pads
             pad = config.pad_token_id if config.pad_token_id is not None else eos[0]
@@ -137,7 +137,7 @@ def generate_from(model, press, cache, input_ids: torch.Tensor, generation_confi
     under `press`, None: no press), decoding under `press`. By default `cache` itself is left as it is: a copy is
     decoded, so several continuations can start from one compressed context; `copy_cache=False` decodes `cache`
     itself (one continuation, read afterwards)."""
-    with nullcontext() if press is None or model in _active else press(model):
+    with nullcontext() if press is None or installed(model) else press(model):
         return model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                               cache=copy.deepcopy(cache) if copy_cache else cache, generation_config=generation_config)
 

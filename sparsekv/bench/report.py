@@ -6,8 +6,14 @@ from pathlib import Path
 
 from ..models import require
 from ..table import format_table
-from .timing import _ratio, medians, running_median
 from .settings import Setting
+from .timing import medians, running_median
+
+
+def ratio(a, b) -> float | None:
+    """`a / b`, None when either is missing (a metric a run did not measure)."""
+    return a / b if a is not None and b else None
+
 
 def summarize(runs: dict[Setting, list[dict]], triples, lengths) -> list[dict]:
     """One row per configuration (in `runs`' order): medians, decoding throughput (`tok_s`, tokens per second
@@ -25,8 +31,8 @@ def summarize(runs: dict[Setting, list[dict]], triples, lengths) -> list[dict]:
         full, oracle = refs.get(setting, (None, None))
         for metric in ("prefill_s", "decode_ms", "tok_s", "peak_mb", "cuda_peak_mb", "kv_mb"):
             name = metric.rsplit("_", 1)[0]
-            row[f"{name}_vs_full"] = _ratio(m[metric], med[full][metric]) if full else None
-            row[f"{name}_vs_oracle"] = _ratio(m[metric], med[oracle][metric]) if oracle else None
+            row[f"{name}_vs_full"] = ratio(m[metric], med[full][metric]) if full else None
+            row[f"{name}_vs_oracle"] = ratio(m[metric], med[oracle][metric]) if oracle else None
         rows.append(row)
     return rows
 

@@ -177,10 +177,6 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _ratio(a, b):
-    return a / b if a is not None and b else None
-
-
 def medians(runs: list[dict]) -> dict:
     """Medians over the repeats of one configuration. `decode_ms` is the median of each run's median step;
     `curve` the median latency at each step, `slope` its linear fit (ms per 1,000 generated tokens)."""
