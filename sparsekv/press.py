@@ -3,27 +3,10 @@
 A press is configuration only. Everything one generation needs lives in its `SparseCache` (layers, per-row
 budgets, `cache.state`, the `Forward` under way), so a press can be reused and two generations never share state.
 
-A press is a sequence of phases, called by the cache's driver (`sparsekv.cache`) in this order; override what
-the method needs, every default does nothing:
-
-1. `begin_forward(cache)`: before each model forward (`cache.forward`, its token ids in `forward.input_ids`); a
-   plan every layer of the forward shares goes to `forward.plan`.
-2. `before_attention(cache, layer, call)`: before a layer's attention, before its mask is built: change what
-   the layer holds (a working set).
-3. `on_queries(cache, layer, call)`: forwards after the prompt, once the layer projected its queries
-   (`call.queries()` shapes them, no second projection): rewrite what slots hold, never how many there are or
-   their validity (asserted).
-4. `compress(cache, layer, call)`: after a layer's attention over the prompt: choose what it keeps.
-5. `after_step(cache, layer, call)`: after a layer's attention on every later forward: evict, rescore.
-   (A prompt read in pieces, generate's `prefill_chunk_size`: `read_piece` after each piece but the last,
-   `compress` after the last, with a call standing for the prompt; see `prompt_tail`.)
-6. `end_forward(cache, logits)`: after each model forward, with its logits `(batch, q, vocab)`.
-
-Between forwards, `crop(cache, length)`: assisted decoding rejected the last forward's tokens from `length` on;
-take back what they added to the press's own state (the core crops the layers' KV right after).
-
-And two factories: `new_layer(layer_idx)` (a `KVLayer`, or a `StoreLayer` that keeps KV in a store) and
-`new_state(cache)` (the press's per-generation state, a `RowState`).
+A press is a sequence of phases that the cache's driver calls while a forward runs (`sparsekv.cache` lists a
+forward's events in order); a press overrides the ones its method needs, and every default does nothing. `Press`
+declares them in the order they are called, after its two factories (`new_layer`, `new_state`); then what a press
+declares to the driver, and the helpers presses call.
 """
 
 from __future__ import annotations
@@ -166,28 +149,45 @@ class Press:
 
     # --- phases, in the order the driver calls them -------------------------------------------------------------
     def begin_forward(self, cache: SparseCache) -> None:
-        """Before each model forward (`cache.forward`, the forward about to run)."""
+        """Before each model forward (`cache.forward`, the forward about to run, its token ids in
+        `forward.input_ids`); a plan that every layer of the forward shares goes to `forward.plan`."""
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Before a layer's attention, before its mask: change what the layer holds (selecting presses)."""
 
     def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """On forwards after the prompt, once the layer projected its queries, before attention."""
+        """On forwards after the prompt, once the layer projected its queries, before attention (`call.queries()`
+        shapes them, no second projection): rewrite what slots hold, never how many there are or their validity
+        (the mask was built for them; asserted)."""
+
+    def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+        """After a layer's attention over a piece of a prompt read in pieces, before the last piece (whose
+        `compress` follows): `call` holds the piece's queries (`call.offset` on; `prompt_tail` more before them).
+        What the press reads of each piece goes to per-slot `layer.extra`, the press's state or the cache's."""
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """After a layer's attention over the prompt: compress it (`layer.keep` / `select` / `evict`).
         `call` rebuilds queries and attention rows on demand."""
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """After a layer's attention on each forward that follows the prompt (decoding steps)."""
+        """After a layer's attention on each forward that follows the prompt (decoding steps): evict, rescore."""
 
     def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
         """After each model forward, with its next-token `logits` `(batch, q, vocab)`."""
 
+    # --- what the press declares to the driver, and `crop` between forwards ------------------------------------
     def holds_budget_while_decoding(self) -> bool:
         """Whether decoding steps evict to hold each row's budget (a layer then holds at most its budget and a
         step's token); False (the default): every generated token is kept, and the cache grows."""
         return False
+
+    def prompt_tail(self) -> int | None:
+        """For a prompt read in pieces (generate's `prefill_chunk_size`): how many of its last tokens' layer
+        inputs `compress` reads (their queries), which the driver keeps from the earlier pieces to compress at
+        the last piece as the whole prompt would be (`sparsekv.pieces.PromptPieces`); what it reads of every query goes
+        through `read_piece` (H2O). None (the default): the press does not say, and such a generation is
+        refused."""
+        return None
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """The tokens at positions `length` and after (the last forward's) are rejected: forget what they added to
@@ -225,19 +225,6 @@ class Press:
                 f"{f' and {beside} always attended' if beside else ''}). Prompts this short are never compressed "
                 "(said once)."))
         return None if bool(whole.all()) else budgets
-
-    def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """After a layer's attention over a piece of a prompt read in pieces, before the last piece (whose
-        `compress` follows): `call` holds the piece's queries (`call.offset` on; `prompt_tail` more before them).
-        What the press reads of each piece goes to per-slot `layer.extra`, the press's state or the cache's."""
-
-    def prompt_tail(self) -> int | None:
-        """For a prompt read in pieces (generate's `prefill_chunk_size`): how many of its last tokens' layer
-        inputs `compress` reads (their queries), which the driver keeps from the earlier pieces to compress at
-        the last piece as the whole prompt would be (`cache.PromptPieces`); what it reads of every query goes
-        through `read_piece` (H2O). None (the default): the press does not say, and such a generation is
-        refused."""
-        return None
 
     @staticmethod
     def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor, shared_by_layers: bool = False) -> None:
