@@ -144,8 +144,11 @@ class StepViews:
         """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`); the layer's tensors become `held`, or with
         `reuse` False views made after these writes."""
         grown, new = self.grown, self.slot_n()
-        for name in ("keys", "values"):
-            grown[name].scatter_(2, slot[..., None].expand(*slot.shape, grown[name].shape[-1]), new[name])
+        index = slot[..., None].expand(*slot.shape, grown["keys"].shape[-1])
+        grown["keys"].scatter_(2, index, new["keys"])
+        if grown["values"].shape[-1] != index.shape[-1]:  # (values wider than keys: MiMo-V2-Flash)
+            index = slot[..., None].expand(*slot.shape, grown["values"].shape[-1])
+        grown["values"].scatter_(2, index, new["values"])
         grown["positions"].scatter_(-1, slot, new["positions"])
         for name in self.extra_names:
             grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])

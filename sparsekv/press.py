@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -227,22 +227,27 @@ class Press:
         return None if bool(whole.all()) else budgets
 
     @staticmethod
-    def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor, shared_by_layers: bool = False) -> None:
+    def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor | Callable[[], torch.Tensor],
+                    shared_by_layers: bool = False) -> None:
         """Evict the lowest-`scores` `(batch, heads, slots)` real tokens of `layer` until each row is back within
-        its budget (`KVLayer.hold_budget`): one per row and head after a decoding step's token.
+        its budget (`KVLayer.hold_budget`): one per row and head after a decoding step's token. `scores` may be a
+        function that returns them: it is called only when they are needed (not on a layer within its budget).
 
         `shared_by_layers`: the scores depend on position alone and every layer holds the same positions in the
         same slots (StreamingLLM's), so a decoding step's victims are found at its first layer and serve every
-        layer (the forward keeps them): a step runs a victim's kernels once, not once a layer.
+        layer (the forward keeps them): a step scores and searches once, not once a layer (given a function).
         """
         forward, largest = cache.forward, cache.largest_budget
+        if layer.slots <= largest:  # every row within its budget
+            return
+        score = scores if callable(scores) else lambda: scores
         if shared_by_layers and forward.q_len == 1 and layer.slots == largest + 1:
             if forward.victims is None:
-                forward.victims = layer.victims(scores, cache.on("budgets", layer.device))
+                forward.victims = layer.victims(score(), cache.on("budgets", layer.device))
             victims = forward.victims
             layer.evict(victims if victims.device == layer.device else victims.to(layer.device))  # (a split model)
         else:
-            layer.hold_budget(scores, cache.on("budgets", layer.device), largest)
+            layer.hold_budget(score(), cache.on("budgets", layer.device), largest)
 
 
 @dataclass

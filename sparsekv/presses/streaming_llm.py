@@ -61,5 +61,6 @@ class StreamingLLMPress(Press):
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """The rolling cache: a row over its budget evicts its oldest non-sink tokens (one at a decoding step)."""
         if self.holds_budget_while_decoding():
-            # Every layer and head holds the same positions in the same slots: one victim a step serves them all.
-            self.hold_budget(cache, layer, self.recency(cache, layer), shared_by_layers=True)
+            # Every layer and head holds the same positions in the same slots: one victim a step serves them all,
+            # scored at the step's first layer.
+            self.hold_budget(cache, layer, lambda: self.recency(cache, layer), shared_by_layers=True)
