@@ -428,29 +428,36 @@ def test_h2o_keeps_and_scores_alike_under_eager_and_sdpa(padded):
 def test_victims_shared_by_layers_are_found_once_a_step_and_are_each_layers_own(monkeypatch):
     """StreamingLLM's scores depend on position alone, so `hold_budget(..., shared_by_layers=True)` finds a
     decoding step's victims at its first layer and evicts them from every layer: the same tokens, the same
-    slots and the same logits as finding them layer by layer, with one search a step instead of one a layer."""
+    slots and the same logits as finding them layer by layer, with one search and one scoring a step instead of
+    one a layer."""
     class LayerByLayer(StreamingLLMPress):
         def after_step(self, cache, layer, call):
             self.hold_budget(cache, layer, self.recency(cache, layer))
 
-    searches = []
-    victims = KVLayer.victims
+    searches, scorings = [], []
+    victims, recency = KVLayer.victims, StreamingLLMPress.recency
     monkeypatch.setattr(KVLayer, "victims", lambda layer, *a: searches.append(1) or victims(layer, *a))
+    monkeypatch.setattr(StreamingLLMPress, "recency", lambda press, *a: scorings.append(1) or recency(press, *a))
     model, ids = make_model("llama"), prompt(48, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # a left-padded row: its sinks start later
     found = {}
     for press in (StreamingLLMPress(budget=16, n_sinks=2), LayerByLayer(budget=16, n_sinks=2)):
         searches.clear()
+        scorings.clear()
         with press(model):
             out = greedy(model, ids, mask, new=6, return_dict_in_generate=True, output_logits=True)
         layers = out.past_key_values.compressed_layers()
-        found[press.label()] = out, [layer.positions for layer in layers], len(searches), len(layers)
-    (shared, kept, n_shared, n_layers), (own, own_kept, n_own, _) = found["StreamingLLM"], found["LayerByLayer"]
+        found[press.label()] = out, [layer.positions for layer in layers], len(searches), len(layers), len(scorings)
+    (shared, kept, n_shared, n_layers, scored), (own, own_kept, n_own, _, own_scored) = \
+        found["StreamingLLM"], found["LayerByLayer"]
     assert torch.equal(shared.sequences, own.sequences)
     torch.testing.assert_close(torch.stack(shared.logits), torch.stack(own.logits), rtol=0, atol=0)
     assert all(torch.equal(a, b) for a, b in zip(kept, own_kept))
     assert (n_shared, n_own) == (5, 5 * n_layers) and n_layers > 1  # 5 steps after the prompt
+    # Scored at each layer's prompt, then once a step (given a function), where layer by layer scores every layer.
+    assert (scored, own_scored) == (n_layers + 5, n_layers + 5 * n_layers)
+
 
 def test_h2o_received_attention_is_the_full_attention_matrix_summed():
     """What H2O accumulates, rebuilt from queries at the prompt and at each step, is the attention each token
