@@ -29,6 +29,7 @@ class KVLayer(RowState, CacheLayerMixin):
         positions: `(batch, kv_heads, slots)` absolute index of each slot in the (left-padded) input sequence.
         valid: `(batch, slots)` False for slots that hold no real token (padding); never attended. Validity is
             shared by the heads of a row: every head of a row keeps the same number of real tokens.
+        all_valid: every slot holds a real token (no padding, no filler): attention over the layer needs no mask.
         extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
             `keep` / `evict` / `crop` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
         logical_len: number of tokens seen, compressed or not (what `get_seq_length` reports; see `count_step`).

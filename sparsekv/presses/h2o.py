@@ -61,8 +61,16 @@ class H2OPress(Press):
         forward's newest token is until an eviction moves it): on the device, so that nothing which changes from
         step to step is read on the host (a compiled step would be traced anew for it)."""
         age = layer.positions[..., -1:] + 1 - layer.positions  # queries that saw each token (its own included)
-        recent = (cache.on("budgets", layer.keys.device).double() * self.recent_ratio).round().long()
-        return (layer.extra["received"] / age).masked_fill_(age <= recent[:, None, None], float("inf"))
+        return (layer.extra["received"] / age).masked_fill_(age <= self.recent(cache, age.device), float("inf"))
+
+    def recent(self, cache: SparseCache, device: torch.device) -> torch.Tensor:
+        """`(batch, 1, 1)` the size of each row's recent window, `recent_ratio` of its budget (rounded): the same
+        at every layer of a forward, so made at its first (`forward.plan`) and read by the others."""
+        plan = cache.forward.plan
+        if plan is None or plan.device != device:  # (a model split over devices makes it anew on each)
+            budgets = cache.on("budgets", device)
+            plan = cache.forward.plan = (budgets.double() * self.recent_ratio).round().long()[:, None, None]
+        return plan
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
@@ -107,10 +115,12 @@ class H2OPress(Press):
 
     def add_received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """Add the attention the step's queries gave every slot (summed over each KV head's query heads): each
-        query sees the real slots, and a draft's tokens (the forward's last slots) none after their own."""
-        visible = layer.valid[:, None, :]
-        if cache.forward.q_len > 1:
+        query sees the real slots, and a draft's tokens (the forward's last slots) none after their own. A step's
+        one query on a layer whose slots are all real sees every slot: no mask to build."""
+        q_len = cache.forward.q_len
+        visible = None if q_len == 1 and layer.all_valid else layer.valid[:, None, :]
+        if q_len > 1:
             n = layer.keys.shape[-2]
-            new = torch.arange(n - cache.forward.q_len, n, device=layer.keys.device)
+            new = torch.arange(n - q_len, n, device=layer.keys.device)
             visible = visible & (torch.arange(n, device=new.device) <= new[:, None])
         layer.extra["received"] += call.probs(layer.keys, visible).sum(dim=(2, 3))
