@@ -85,6 +85,17 @@ def allocated(t: torch.Tensor) -> torch.Tensor:
     return t if room is None else room
 
 
+def step_state(t: torch.Tensor) -> None:
+    """Declare `t` state that compiled decoding steps write in place: CUDA graphs take its address as it is (a
+    step that mutates an input at another address is skipped), and its sizes stay constants in the graph: under
+    dynamo's automatic dynamic shapes, a generation of other sizes (another prompt length or budget) would trace
+    them as symbols, including those of views of `t`, for which inductor fails to build guards (torch 2.13). So
+    each set of sizes gets its graph: one per budget and batch size."""
+    torch._dynamo.mark_static_address(t)
+    for dim in range(t.dim()):
+        torch._dynamo.mark_static(t, dim)
+
+
 def first_true(mask: torch.Tensor) -> torch.Tensor:
     """The index of the first True along the last dimension of `mask`, or its size where there is none: a
     minimum over indices, not an `argmax` over booleans, which inductor compiles wrongly (pytorch/pytorch#174069,
@@ -109,8 +120,8 @@ class StepViews:
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
         if not torch.compiler.is_compiling():  # a compiled step writes into the buffers in place (its only
-            for t in self.grown.values():  # inputs of them, `slot_n`): CUDA graphs take them as they are
-                torch._dynamo.mark_static_address(t)
+            for t in self.grown.values():  # inputs of them, `slot_n`)
+                step_state(t)
 
     def _are(self, views: dict, layer) -> bool:
         return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
@@ -165,6 +176,18 @@ class StepViews:
         if torch.compiler.is_compiling():
             return {k: t.narrow(slot_dim(t), t.shape[slot_dim(t)] - 1, 1) for k, t in self.grown.items()}
         return self.newest
+
+    def rewrite(self, layer, new: dict) -> None:
+        """Write the `n` slots anew, in place: `new` maps "keys", "values", "positions" and "valid" to their
+        contents (a working set gathered again at every step: a compiled CHESS cache's); the layer's tensors become
+        `held`. Compiling, through views made in the graph (as `slot_n`)."""
+        if torch.compiler.is_compiling():
+            held = {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in self.grown.items()}
+        else:
+            held = self.held
+        for name, t in new.items():
+            held[name].copy_(t)
+        self.hold(layer)
 
     def held_valid(self) -> torch.Tensor:
         """The `n` slots' validity, `held["valid"]`; compiling, a view made in the graph (as `slot_n`)."""

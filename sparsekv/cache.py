@@ -36,6 +36,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
 from .attention import AttentionCall
+from .buffers import step_state
 from .join import join_caches
 from .layers import KVLayer
 from .masks import check_left_padded, padding_mask, physical_mask
@@ -66,6 +67,10 @@ class Forward:
         continues_prompt: several new tokens after the first forward that are not a draft being verified: a
             prompt continued (generate on a cache that holds part of its input, a question asked of a
             compressed context, a caller's own multi-token forward).
+        own_masks: every layer gets the mask of its own layout (`masks.physical_mask`), not the forward's: a
+            forward of several tokens after the first, whose mask came built for the layout before the forward
+            began (generate's 4D masks for a compiled cache), which a press may change then (CHESS reads its
+            stores for a continued prompt).
     """
 
     input_ids: torch.Tensor | None
@@ -73,6 +78,7 @@ class Forward:
     q_len: int
     first: bool = False
     continues_prompt: bool = False
+    own_masks: bool = False
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
     victims: torch.Tensor | None = None
@@ -192,7 +198,8 @@ class SparseCache(RowState, Cache):
                 "its inputs for num_beams or num_return_sequences, not a cache given to it: expand that cache the "
                 "same way first (`cache.batch_repeat_interleave(n)`).")
         self.forward = Forward(input_ids, valid, q_len, first=first, pieces_left=pieces_left,
-                               continues_prompt=not first and not piece and q_len > 1 and not draft)
+                               continues_prompt=not first and not piece and q_len > 1 and not draft,
+                               own_masks=unreadable and not first and q_len > 1)
         if self.compiled and not torch.compiler.is_compiling():  # eager code reads the count at every layer
             for layer in self.compressed_layers():  # (only a compiled cache's steps count on the device)
                 layer.settle()
@@ -226,7 +233,7 @@ class SparseCache(RowState, Cache):
         call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
         if self.press.selects_before_attention:
             self.press.before_attention(self, layer, call)
-        if not layer.compressed:
+        if not layer.compressed and not forward.own_masks:
             return KEEP_MASK
         # (the config is read only when needed: its attribute reads are slow, and this runs at every layer and step)
         if forward.input_valid is None and layer.all_valid and (
@@ -289,7 +296,7 @@ class SparseCache(RowState, Cache):
             self.press.end_forward(self, logits)
         if self.pieces is not None and not self.forward.pieces_left:
             self.pieces = None  # the prompt is read and compressed
-        if self.compiled and self.forward.q_len > 1 and not self.forward.pieces_left:
+        if self.compiled and (self.forward.first or self.forward.q_len > 1) and not self.forward.pieces_left:
             self.ready_for_steps()
         self.forward = None
 
@@ -299,12 +306,16 @@ class SparseCache(RowState, Cache):
         (`KVLayer.make_step_room`): free slots up to the budget under a press that holds it while decoding (then
         one eviction a step), else for `max_new_tokens` more tokens. A compiled step then finds them alike at every
         step, and every layer keeps its shape."""
-        if self.budgets is None:
-            return
         holds = self.press.holds_budget_while_decoding()
+        if self.prompt_lengths is None or (holds and self.budgets is None):
+            return
+        if isinstance(self.state, RowState):  # the press's state, which its compiled steps may write in place
+            for t in self.state.tensors():
+                step_state(t)
         for layer in self.compressed_layers():
             for name in ("prompt_start", "budgets"):
-                self.on(name, layer.device)
+                if getattr(self, name) is not None:  # (a press that keeps every token may set no budgets)
+                    self.on(name, layer.device)
             layer.make_step_room(self.largest_budget - layer.slots if holds
                                  else self.max_new_tokens - layer.free_slots())
 

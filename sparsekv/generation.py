@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from .cache import SparseCache
 
-COMPILING = "StreamingLLM's, H2O's, SnapKV's and ChunkKV's"  # the presses whose decoding steps compile
+COMPILING = "StreamingLLM's, H2O's, SnapKV's, ChunkKV's and CHESS's"  # the presses whose decoding steps compile
 
 
 def prefill_locals() -> dict:

@@ -103,8 +103,7 @@ class KVLayer(RowState, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
-        if q == 1 and valid is None and self._views is not None and not torch.is_grad_enabled() \
-                and self._views.held_by(self):  # (generate's steps run without gradients)
+        if self.steps_in_place(q, valid):
             return self._views.write(self, key_states, value_states)
         self._append("keys", key_states)
         self._append("values", value_states)
@@ -116,6 +115,13 @@ class KVLayer(RowState, CacheLayerMixin):
         self.logical_len += q
         self.new_tokens = q
         return self.keys, self.values
+
+    def steps_in_place(self, q: int, valid: torch.Tensor | None) -> bool:
+        """Whether a forward of `q` new tokens (`valid`: which are real, None all) writes its token into the slot
+        the step views hold for it (`StepViews.write`): a decoding step, without gradients (generate's), on a
+        layer that holds its step room (`make_step_room`, `evict`)."""
+        return q == 1 and valid is None and self._views is not None and not torch.is_grad_enabled() \
+            and self._views.held_by(self)
 
     def _new_valid(self, valid: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
         if valid is None:

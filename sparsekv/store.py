@@ -7,6 +7,7 @@ import copy
 
 import torch
 
+from .buffers import step_state
 from .layers import KVLayer
 from .state import padded
 
@@ -76,6 +77,10 @@ class StoreLayer(KVLayer):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.records_tokens:
             return super().update(key_states, value_states, valid=valid)
+        if self.steps_in_place(key_states.shape[2], valid):  # a compiled cache's step: its slot, then the store
+            keys, values = super().update(key_states, value_states, valid=valid)
+            self._record_step(key_states, value_states)
+            return keys, values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, (b, h, q, _) = self.logical_len, key_states.shape
@@ -100,16 +105,71 @@ class StoreLayer(KVLayer):
         at first): a few copies over a long generation, little unused room."""
         end = start + keys.shape[-2]
         if self.store_keys is None or end > self.store_keys.shape[-2]:
-            capacity = end + (256 if self.store_keys is None else max(256, end // 8))
-            b, h, _, d = keys.shape
-            grown = [t.new_empty(b, h, capacity, t.shape[-1]) for t in (keys, values)]
-            if self.store_keys is not None:
-                grown[0][:, :, :start], grown[1][:, :, :start] = self.store_keys[:, :, :start], \
-                    self.store_values[:, :, :start]
-            self.store_keys, self.store_values = grown
-            self.store_positions = torch.arange(capacity, device=keys.device).expand(b, capacity)
+            self._reserve(end + (256 if self.store_keys is None else max(256, end // 8)), keys, values, start)
         self.store_keys[:, :, start:end] = keys
         self.store_values[:, :, start:end] = values
+
+    def _reserve(self, capacity: int, keys: torch.Tensor, values: torch.Tensor, kept: int) -> None:
+        """A store of `capacity` slots, shaped as `keys` / `values`, holding the current one's first `kept`."""
+        b, h, _, _ = keys.shape
+        grown = [t.new_empty(b, h, capacity, t.shape[-1]) for t in (keys, values)]
+        if self.store_keys is not None:
+            grown[0][:, :, :kept], grown[1][:, :, :kept] = self.store_keys[:, :, :kept], self.store_values[:, :, :kept]
+        self.store_keys, self.store_values = grown
+        self.store_positions = torch.arange(capacity, device=keys.device).expand(b, capacity)
+
+    def _record_step(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A step's token (written to its slot, `StepViews.write`) into the store at its position, read on the
+        device, where a compiled step reads nothing on the host. A store without room for it is a device-side
+        error, never a token written elsewhere."""
+        position = self._views.slot_n()["positions"][0, 0]  # (1,): every row's token is at one position
+        torch._assert_async((position < self.store_keys.shape[2]).all(), "sparsekv: a compiled cache has no room "
+                            "left in its store for this step's token: make it with max_new_tokens at least "
+                            "generate's (`make_cache(model, compiled=True, max_new_tokens=...)`).")
+        self.store_keys.index_copy_(2, position, keys)
+        self.store_values.index_copy_(2, position, values)
+
+    def make_step_room(self, free: int = 0) -> None:
+        """A store that records every token grows by `free` slots (room for the tokens a compiled cache's steps
+        add, at their positions), its working set by the step's slot (`KVLayer.make_step_room`)."""
+        if self.records_tokens:
+            if free > 0:
+                self._reserve(self.store_keys.shape[2] + free, self.store_keys, self.store_values, self.logical_len)
+            for t in (self.store_keys, self.store_values):  # written in place by every step
+                step_state(t)
+            free = 0
+        super().make_step_room(free)
+
+    def free_slots(self) -> int:
+        if self.records_tokens:  # the store's room for the tokens to come
+            return self.store_keys.shape[2] - self.logical_len
+        return super().free_slots()
+
+    def keep_step_token(self) -> None:
+        if not self.records_tokens:
+            return super().keep_step_token()
+        if self._views is not None and self._views.grown_by(self):
+            self._views.hold(self)  # the token is in the store, where the next step's working set reads it
+
+    def gather_in_place(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Make the working set the store slots `slots` `(batch, n)` (`valid`: which are real), written into the
+        layer's own tensors of `n` slots and the step's (`make_step_room`): a compiled cache's step, whose working
+        set is gathered anew at every step and keeps its shape. (Eagerly, a layer whose tensors were replaced, by
+        a reordered batch, first makes that room again.)"""
+        if self._views is None or not self._views.held_by(self):
+            self.make_step_room()
+        b, h, _, d = self.store_keys.shape
+        index = slots[:, None, :, None]
+        self._views.rewrite(self, {
+            "keys": self.store_keys.gather(2, index.expand(b, h, -1, d)),
+            "values": self.store_values.gather(2, index.expand(b, h, -1, self.store_values.shape[-1])),
+            "positions": slots[:, None, :].expand(b, h, -1),  # slot = position in a store that records every token
+            "valid": valid})
+
+    def step_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compiled cache's step token: its keys `(batch, kv_heads, 1, head_dim)` and position `(batch,)`."""
+        slot = self._views.slot_n()
+        return slot["keys"], slot["positions"][:, 0, 0]
 
     def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, loaded: int = 0) -> None:
         """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store, and the
@@ -127,6 +187,7 @@ class StoreLayer(KVLayer):
         n)`: which of them are real; `all_valid`: whether every one is, when the caller knows (else read from
         `valid`, a wait on a GPU). `slots` None: every token seen (`valid` `(batch, seen)`), at its position, as
         before the first selection: views of the store, no copy (a store that records every token)."""
+        self._views = None  # (they view the tensors replaced)
         if slots is None:
             self._view_store()
             self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False

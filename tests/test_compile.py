@@ -14,7 +14,7 @@ from conftest import greedy, make_model, make_tokenizer, prompt
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from sparsekv import CHESSPress, ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
+from sparsekv import CHESSPress, ChunkPress, H2OPress, SentencePress, SnapKVPress, StoreLayer, StreamingLLMPress
 
 PRESSES = [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25), SnapKVPress(ratio=0.25, window_size=8),
            ChunkPress(ratio=0.25, window_size=8, chunk_size=4)]
@@ -27,7 +27,8 @@ def test_a_decoding_step_traces_without_a_graph_break(press):
     token appended to a compressed prompt), without a graph break: the driver takes no clock while compiling,
     makes nothing dynamo cannot construct, and a layer appends by concatenation (the room behind a tensor is read
     from its storage, which dynamo cannot follow). The step gives the eager step's logits and leaves the same
-    cache. (CHESS breaks at its trigger's host read after the logits, SentenceKV at its loads' `nonzero`.)"""
+    cache. (CHESS's step reads its trigger on the host, and compiles on a cache made for it, below; SentenceKV
+    breaks at its loads' `nonzero`.)"""
     model = make_model("llama")
     with press(model):
         cache = model(prompt(64)).cache
@@ -90,8 +91,16 @@ def left_padded(length: int = 64, pad: int = 5) -> tuple[torch.Tensor, torch.Ten
     return ids, mask
 
 
+# CHESS on small pages, so that a 64-token prompt has candidates: overlapping pages selected at every step, and
+# the paper's pages under a budget, selected every other step (a count on the device).
+CHESS = [CHESSPress(ratio=0.25, page_size=4, chunk_pages=2, grid_chunks=2, reselect="always"),
+         CHESSPress(budget=32, paper=True, page_size=4, chunk_pages=2, grid_chunks=2, reselect_every=2)]
 COMPILED = [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25, recent_ratio=0.25),
-            SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4)]
+            SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4), *CHESS]
+
+
+def label(press) -> str:
+    return press.label() + ("-paper" if getattr(press, "paper", False) else "")
 
 
 def compiled_cache(model, press, new: int = 8):
@@ -100,15 +109,16 @@ def compiled_cache(model, press, new: int = 8):
 
 
 @pytest.mark.parametrize("batch", ["one", "left-padded"])
-@pytest.mark.parametrize("press", COMPILED, ids=lambda p: p.label())
+@pytest.mark.parametrize("press", COMPILED, ids=label)
 @torch.no_grad()
 def test_generate_compiles_the_decoding_steps(press, batch):
     """Under a press whose steps compile (`compiled_decoding`), generate given a `compile_config` and a cache
     the press made `compiled` compiles its decoding forward: the eager tokens exactly, greedy, one prompt or a
     left-padded batch, with no graph break. Its graphs are traced at the first step and never again: not at later steps
     (the step reads no Python value that changes, `KVLayer.count_step`), not for a second generation; none takes
-    an int (which CUDA graphs would record anew for each value), and no two tensor inputs share memory (CUDA graphs
-    skip a graph that writes into such inputs). Without a `compile_config`, or on a cache not made `compiled`,
+    an int (which CUDA graphs would record anew for each value), a prompt of another length included (its sizes
+    are constants, `buffers.step_state`), and no two tensor inputs share memory (CUDA graphs skip a graph that
+    writes into such inputs). Without a `compile_config`, or on a cache not made `compiled`,
     nothing is compiled."""
     model = make_model("llama")
     ids, mask = (prompt(64), None) if batch == "one" else left_padded()
@@ -126,13 +136,19 @@ def test_generate_compiles_the_decoding_steps(press, batch):
             one_step = greedy(model, ids, mask, new=2, cache=compiled_cache(model, press), compile_config=config)
             traced = len(graphs)
             compiled = greedy(model, ids, mask, new=8, cache=compiled_cache(model, press), compile_config=config)
+            again = len(graphs)
+            # A prompt of another length (another budget) gets graphs of its own sizes, not symbolic ones.
+            shorter, shorter_mask = (prompt(48), None) if batch == "one" else left_padded(48)
+            assert torch.equal(greedy(model, shorter, shorter_mask, new=4, cache=compiled_cache(model, press),
+                                      compile_config=config),
+                               greedy(model, shorter, shorter_mask, new=4, cache=press.make_cache(model)))
         breaks = dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
     assert torch.equal(compiled, eager) and torch.equal(one_step, eager[:, :-6])
     assert not breaks, f"graph breaks: {list(breaks)}"
-    assert traced and len(graphs) == traced, f"{len(graphs) - traced} graphs traced after the first step"
-    assert not ints, f"int inputs: {ints}"
+    assert traced and again == traced, f"{again - traced} graphs traced after the first step"
+    assert not ints, f"int inputs (symbolic sizes among them): {ints}"
     assert not aliased, f"inputs over one storage: {aliased}"
 
 
@@ -165,14 +181,16 @@ def test_a_prompt_kept_whole_compiles_once(press):
 
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), CHESS[0]], ids=label)
 @torch.no_grad()
-def test_a_compiled_cache_without_room_fails_loudly(compile_):
-    """A compiled cache under a press that keeps every generated token has room for `max_new_tokens`: a step
-    that finds none fails (a device-side check, no host read), eagerly or compiled, and overwrites nothing. (On
-    CUDA the check is a device-side assertion, which ends the process's CUDA context: not run there.)"""
+def test_a_compiled_cache_without_room_fails_loudly(press, compile_):
+    """A compiled cache under a press that keeps every generated token has room for `max_new_tokens` (free slots,
+    or CHESS's store): a step that finds none fails (a device-side check, no host read), eagerly or compiled, and
+    overwrites nothing. (On CUDA the check is a device-side assertion, which ends the process's CUDA context: not
+    run there.)"""
     if conftest.DEVICE.type != "cpu":
         pytest.skip("a device-side assertion ends the CUDA context")
-    model, press = make_model("llama"), SnapKVPress(ratio=0.25, window_size=8)
+    model = make_model("llama")
     config = CompileConfig(backend=count_graphs([]), mode=None)
     config._compile_all_devices = True
     torch._dynamo.reset()
@@ -180,7 +198,7 @@ def test_a_compiled_cache_without_room_fails_loudly(compile_):
         with press(model):
             assert greedy(model, prompt(64), new=5, cache=compiled_cache(model, press, 4),
                           compile_config=config if compile_ else None).shape[1] == 64 + 5
-            with pytest.raises(RuntimeError, match="no free slot left.*max_new_tokens"):
+            with pytest.raises(RuntimeError, match="no (free slot|room) left.*max_new_tokens"):
                 greedy(model, prompt(64), new=6, cache=compiled_cache(model, press, 4),
                        compile_config=config if compile_ else None)
     finally:
@@ -197,7 +215,7 @@ def held(layer) -> tuple[torch.Tensor, torch.Tensor]:
                                                                                           layer.keys.shape[-1]))
 
 
-@pytest.mark.parametrize("press", COMPILED, ids=lambda p: p.label())
+@pytest.mark.parametrize("press", COMPILED, ids=label)
 @torch.no_grad()
 def test_a_compiled_generation_leaves_the_eager_cache(press):
     """Compiled steps count their tokens on the device (`KVLayer.count_step`) until the next eager forward
@@ -216,6 +234,11 @@ def test_a_compiled_generation_leaves_the_eager_cache(press):
             assert torch.equal(compiled, eager)
             assert cache.get_seq_length() == eager_cache.get_seq_length() == 64 + 5
             for ours, theirs in zip(cache.compressed_layers(), eager_cache.compressed_layers()):
+                if isinstance(ours, StoreLayer):  # (CHESS: every token in the store, at its position)
+                    end = ours.logical_len
+                    torch.testing.assert_close(ours.store_keys[:, :, :end], theirs.store_keys[:, :, :end], rtol=0,
+                                               atol=1e-5)
+                    continue
                 (positions, keys), (eager_positions, eager_keys) = held(ours), held(theirs)
                 assert torch.equal(positions, eager_positions)
                 torch.testing.assert_close(keys, eager_keys, rtol=0, atol=1e-5)
@@ -230,7 +253,7 @@ def test_a_compiled_generation_leaves_the_eager_cache(press):
 def test_a_cache_that_cannot_compile_is_refused_at_the_door():
     """`compiled=True` under a press whose steps do not compile, or on a model with layers the press does not
     compress (which keep transformers' growing cache), is refused when the cache is made, naming what to do."""
-    with pytest.raises(ValueError, match="CHESSPress's decoding steps do not compile yet.*without compiled=True"):
+    with pytest.raises(ValueError, match="max_new_tokens: CHESSPress keeps every generated token"):
         CHESSPress(ratio=0.25).make_cache(make_model("llama"), compiled=True)
     with pytest.raises(ValueError, match="SentencePress's decoding steps do not compile yet"):
         SentencePress(make_tokenizer(), ratio=0.25).make_cache(make_model("llama"), compiled=True, max_new_tokens=8)
@@ -304,13 +327,20 @@ def test_first_true_finds_the_first_free_slot():
 
 
 @pytest.mark.parametrize("mode", ["beam", "prompt-lookup", "sample"])
-@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25)],
-                         ids=lambda p: p.label())
+@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25), CHESS[0]],
+                         ids=label)
 @torch.no_grad()
 def test_other_generate_modes_on_a_compiled_cache(press, mode):
     """A compiled cache under beam search (generate decodes it eagerly, reordering its rows), prompt lookup (it
     compiles the draft verifications, several tokens a forward, then crops) and sampling gives the tokens of a
-    cache not made compiled."""
+    cache not made compiled. CHESS's compiled cache decodes one token a step: a draft is refused, naming what
+    to do."""
+    if isinstance(press, CHESSPress) and mode == "prompt-lookup":
+        model = make_model("llama")
+        with press(model), pytest.raises(ValueError, match="decodes one token a step.*without compiled=True"):
+            model.generate(prompt(64), max_new_tokens=8, pad_token_id=0, prompt_lookup_num_tokens=3,
+                           cache=compiled_cache(model, press))
+        return
     model = make_model("llama")
     options = {"beam": {"num_beams": 3}, "prompt-lookup": {"prompt_lookup_num_tokens": 3},
                "sample": {"do_sample": True, "top_k": 5}}[mode]
@@ -327,3 +357,26 @@ def test_other_generate_modes_on_a_compiled_cache(press, mode):
     finally:
         torch._dynamo.reset()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("press", CHESS, ids=label)
+@torch.no_grad()
+def test_a_compiled_chess_cache_continued_with_a_question(press):
+    """A compiled CHESS cache continued with more tokens (a question asked of a compressed context, generate's
+    prompt read in pieces) reads every token, selects again, and plans its steps anew for the tokens still to
+    come: the tokens of a cache not made compiled, compiled or not."""
+    model = make_model("llama")
+    config = CompileConfig(backend=count_graphs([]), mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    outs = []
+    try:
+        with press(model):
+            for cache, compile_config in ((press.make_cache(model), None), (compiled_cache(model, press), None),
+                                          (compiled_cache(model, press), config)):
+                first = greedy(model, prompt(64), new=4, cache=cache, compile_config=compile_config)
+                more = torch.cat([first, prompt(8, seed=3)], dim=1)
+                outs.append(greedy(model, more, new=6, cache=cache, compile_config=compile_config))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])

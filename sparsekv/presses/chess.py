@@ -18,6 +18,7 @@ from .chess_options import PRESETS, settle_options
 from .chess_pages import (
     CHESSState, accumulate, budget_retention, catch_up, pad_columns, read_stores, take_back, working_context,
 )
+from .chess_steps import end_step, plan_steps
 
 
 def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +106,7 @@ class CHESSPress(Press):
     pooling: str | None = None  # "max", or "mean" with `paper`
     paper: bool = False
     reads_prompt_in_pieces: ClassVar[bool] = True  # it keeps every token and selects again after a continued prompt
+    compiled_decoding: ClassVar[bool] = True  # over fixed shapes (`chess_steps`)
 
     def __post_init__(self):
         settle_options(self)
@@ -118,9 +120,10 @@ class CHESSPress(Press):
             return self.ratios
         return (self.ratio ** (1 / 3),) * 3
 
-    def retention_for(self, lengths: torch.Tensor) -> tuple:
-        """`retention`, or with `budget` per row `(batch,)`, the fractions that fill it (`budget_retention`)."""
-        return self.retention if self.budget is None else budget_retention(self, lengths)
+    def retention_for(self, lengths: torch.Tensor, n_blocks: int) -> tuple:
+        """`retention`, or with `budget` per row `(batch,)`, the fractions that fill it (`budget_retention`), for
+        rows of `lengths` tokens on a grid of `n_blocks` blocks."""
+        return self.retention if self.budget is None else budget_retention(self, lengths, n_blocks)
 
     def new_layer(self, layer_idx: int) -> StoreLayer:
         return StoreLayer(records_tokens=True)  # every token stays in the store; attention reads a working set
@@ -141,6 +144,9 @@ class CHESSPress(Press):
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         state = cache.state
         if self.pre_rope and call.module.layer_idx == state.rope_layer:  # the rotary layers share the table
+            if state.context is not None:  # a compiled cache's step sums its keys now (`end_step`)
+                cache.forward.plan = call.position_embeddings
+                return
             state.rope.append(call.position_embeddings)
             state.last_rope = call.position_embeddings
 
@@ -150,6 +156,9 @@ class CHESSPress(Press):
         state = cache.state
         if state.page_sums is None:
             return
+        if state.context is not None:
+            raise ValueError("CHESSPress: a compiled cache cannot be cropped (its steps keep the page sums "
+                             "current); make the cache without compiled=True.")
         take_back(self, cache, length)
         if state.next_context is not None:
             start = cache.on("prompt_start", state.next_context[0].device)
@@ -160,6 +169,9 @@ class CHESSPress(Press):
         state.next_context = None  # the forward's layers gathered it
         if state.page_sums is None:
             return
+        if state.context is not None:  # a step on a compiled cache
+            end_step(self, cache, logits)
+            return
         layer = cache.layers[next(iter(state.columns))]
         lengths = layer.logical_len - cache.on("prompt_start", layer.keys.device)  # real tokens per row
         # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
@@ -167,6 +179,8 @@ class CHESSPress(Press):
         continued = cache.forward is not None and cache.forward.continues_prompt
         if state.selected is None or continued:  # a prompt, the first or a continued one
             trigger = torch.ones_like(lengths, dtype=torch.bool)
+            if state.steps is None:
+                state.steps = torch.zeros_like(lengths)
         else:
             state.steps += 1
             trigger = self.triggers(logits[:, -1], state.steps)
@@ -177,17 +191,21 @@ class CHESSPress(Press):
             state.selected = fresh if state.selected is None else torch.where(
                 trigger[:, None], fresh, pad_columns(state.selected, fresh.shape[1]))
             cache.counts["selections"] += int(trigger.sum())
+        if cache.compiled:  # after a prompt: the steps' fixed shapes, and the first one's working set
+            plan_steps(self, cache, lengths)
+            return
         if reselect or not torch.equal(complete, state.built_at):
             state.next_context = self.working_context(state.selected, lengths,
                                                       cache.on("prompt_start", lengths.device))
             state.built_at = complete
             cache.counts["rebuilds"] += 1
 
-    def triggers(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        """`(batch,)` which rows re-select after decoding step `step`, from their next-token `logits`."""
+    def triggers(self, logits: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """`(batch,)` which rows re-select after their decoding step `steps` `(batch,)`, from their next-token
+        `logits`."""
         b = logits.shape[0]
         if self.reselect_every is not None:
-            return torch.full((b,), step % self.reselect_every == 0, device=logits.device)
+            return steps % self.reselect_every == 0
         if self.reselect != "uncertainty":
             return torch.full((b,), self.reselect == "always", device=logits.device)
         entropy, varentropy = uncertainty(logits)
@@ -212,14 +230,18 @@ class CHESSPress(Press):
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page vectors `(batch, pages, D)` (eq. 1, centred if `centre`), the anchor `(batch, D)` (eq. 3) and
         the candidate pages `(batch, pages)`, for rows of `lengths` real tokens. Page k starts at block k (as many
-        pages as blocks; those running past the row's end are no candidates); a candidate's blocks all are."""
-        n_blocks = int((-(-lengths // self.page_stride)).max())
+        pages as blocks, `page_sums`' own: those past the row's end are no candidates); a candidate's blocks all are."""
+        n_blocks = page_sums.shape[1]  # (a fixed grid: no host read, and a compiled step keeps its shapes)
         always, candidate = self.block_roles(lengths, n_blocks)
         block = torch.arange(n_blocks, device=lengths.device)
         sums = page_sums[:, :n_blocks]
         if self.span > 1:  # page k: blocks k ... k + span - 1
             sums = nn.functional.pad(sums, (0, 0, 0, self.span - 1)).unfold(1, self.span, 1).sum(-1)
-            candidate = nn.functional.pad(candidate, (0, self.span - 1)).unfold(1, self.span, 1).all(-1)
+            # Candidate blocks run from the sink's end to the window's start: a page is one when its first and
+            # last blocks are. (Compared, not a padded mask pooled: inductor's CPU code for that fails to build.)
+            last = block + self.span - 1
+            candidate = candidate & candidate.gather(1, last.clamp(max=n_blocks - 1).expand_as(candidate)) & (
+                last < n_blocks)
         counts = lengths[:, None] - block * self.page_stride
         vectors = sums / counts.clamp(1, self.page_size)[..., None]  # eq. 1: page means
         if self.centre:  # remove the component every page shares, so that eq. 4 measures what sets pages apart
@@ -234,19 +256,21 @@ class CHESSPress(Press):
             return pages
         return nn.functional.pad(pages, (self.span - 1, 0)).unfold(1, self.span, 1).any(-1)
 
-    def select(self, page_sums: torch.Tensor, lengths: torch.Tensor
+    def select(self, page_sums: torch.Tensor, lengths: torch.Tensor, most: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Algorithm 1: masks of the selected grids `(batch, grids)`, chunks `(batch, chunks)` and candidate pages
         `(batch, pages)`, for rows of `lengths` real tokens (page k starts at block k: `blocks_of` gives the blocks
-        attention reads). Chunks and grids group consecutive pages."""
+        attention reads). Chunks and grids group consecutive pages. `most`: as `select_by`."""
         vectors, anchor, candidate = self.page_vectors(page_sums, lengths)
         scores = (vectors @ anchor[:, :, None])[..., 0]  # eq. 4 for every page: one GEMM
-        return self.select_by(scores, candidate, self.retention_for(lengths))
+        return self.select_by(scores, candidate, self.retention_for(lengths, page_sums.shape[1]), most)
 
-    def select_by(self, s_page: torch.Tensor, candidate: torch.Tensor, retention: tuple | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def select_by(self, s_page: torch.Tensor, candidate: torch.Tensor, retention: tuple | None = None,
+                  most: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Algorithm 1 from the pages' scores `s_page` and the candidate pages, both `(batch, pages)`: as `select`
-        (`retention`: `retention_for` the rows, default `retention`)."""
+        (`retention`: `retention_for` the rows, default `retention`). `most` `(batch,)`: keep at most this many
+        pages per row, the best (a compiled step's fixed width, `chess_steps.most_selected`, which only pages tied
+        at a quantile can exceed); None: every page Algorithm 1 keeps."""
         n_pages = s_page.shape[1]
         # Eq. 2 then eq. 4: a chunk's (grid's) vector is the mean of its candidate children, and the dot product is
         # linear, so its score is the mean of their scores; "max" pooling scores it by its best child instead.
@@ -260,7 +284,7 @@ class CHESSPress(Press):
         keep_chunk = top_fraction(s_chunk, active, rho_c)
         active = keep_chunk.repeat_interleave(self.chunk_pages, dim=1)[:, :n_pages] & candidate
         if self.span == 1:
-            return keep_grid, keep_chunk, top_fraction(s_page, active, rho_p)
+            return keep_grid, keep_chunk, best(s_page, top_fraction(s_page, active, rho_p), most)
         # Overlapping pages: the blocks of the best active pages, as many as the three fractions give of the
         # candidates' blocks (a page adds 1 to `span` blocks, so a fraction of the pages would not say how many).
         budget = (rho_g * rho_c * rho_p * self.blocks_of(candidate).sum(-1)).ceil().long()
@@ -277,18 +301,29 @@ class CHESSPress(Press):
             pooled = masked_mean(scores[..., None], active, dim=2)[..., 0]
         return pooled, active.any(-1)
 
-    def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The store slots attention reads: the blocks of sink, selected and window pages and the partial page."""
-        return working_context(self, selected, lengths, prompt_start)
+    def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor,
+                        width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The store slots attention reads: the blocks of sink, selected and window pages and the partial page
+        (`width`: as many blocks, a compiled step's; None: as many as the widest row attends)."""
+        return working_context(self, selected, lengths, prompt_start, width)
 
     def begin_forward(self, cache: SparseCache) -> None:
-        if cache.forward.continues_prompt and cache.state.selected is not None:  # read whole, selected for after it
+        forward, state = cache.forward, cache.state
+        if state.context is not None and forward.q_len > 1 and not forward.continues_prompt:
+            raise ValueError("CHESSPress: a compiled cache decodes one token a step, and this forward verifies a "
+                             "draft of several (assisted decoding, prompt lookup); make the cache without "
+                             "compiled=True for them.")
+        if forward.continues_prompt and state.selected is not None:  # read whole, selected for after it
+            if state.context is not None:  # a compiled cache's steps summed their keys; it plans them again after
+                state.summed, state.context = cache.layers[next(iter(state.columns))].logical_len, None
             read_stores(cache)
 
     def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        if cache.state.next_context is not None:  # made after the last forward (`end_forward`)
-            layer.gather(*cache.state.next_context)
+        state = cache.state
+        if state.context is not None:  # a compiled cache's step: its working context, gathered at every step
+            layer.gather_in_place(*state.context)
+        elif state.next_context is not None:  # made after the last forward (`end_forward`)
+            layer.gather(*state.next_context)
 
     @torch.no_grad()
     def calibrate(self, model: torch.nn.Module, tokenizer: Any, texts: list[str], percentile: float = 99.0,
@@ -331,6 +366,15 @@ def top_fraction(scores: torch.Tensor, active: torch.Tensor, rho: float | torch.
     low, high = (ranked.gather(-1, i.long().clamp(min=0)) for i in (at.floor(), at.ceil()))
     threshold = low + (at - at.floor()).to(scores.dtype) * (high - low)
     return active & (scores >= threshold)
+
+
+def best(scores: torch.Tensor, keep: torch.Tensor, most: torch.Tensor | None) -> torch.Tensor:
+    """The `most[row]` best-scored entries of each row of `keep` `(batch, n)` (all of them when None or when they
+    are fewer)."""
+    if most is None:
+        return keep
+    order = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    return keep & (order.argsort(dim=-1) < most[:, None])
 
 
 def top_covering(scores: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, span: int) -> torch.Tensor:

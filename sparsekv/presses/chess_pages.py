@@ -28,6 +28,14 @@ class CHESSState(RowState):
             the context did not change.
         built_at: `(batch,)` complete pages when the working context was last built (the window slides when
             a page completes), on the CPU.
+        steps: `(batch,)` decoding steps since the prompt (`reselect_every` counts them), on the device.
+        context: a compiled cache's `(slots, valid)`, `(batch, width * page_stride)`: the working context of its
+            next step, rewritten in place after every step (`chess_steps`); None on a cache not made compiled.
+        most, reach: a compiled cache's `(batch,)` most blocks a selection holds (`chess_steps.most_selected`)
+            and the positions its steps may write (below `reach`: the prompt's and `max_new_tokens`); its
+            working context's width is `context`'s.
+        selections: a compiled cache's `(batch,)` selections made by its decoding steps, counted on the device
+            (an eager step counts its own in `cache.counts["selections"]`, with the prompts' ones).
         summed: store slots already added to `page_sums`; the decoded tokens after them are added when page
             vectors are next read (at a selection), all layers at once, instead of layer by layer at every step.
         rope: the `(cos, sin)` of each decoding step since `summed`, to undo RoPE on those keys (`pre_rope`).
@@ -41,7 +49,11 @@ class CHESSState(RowState):
     selected: torch.Tensor | None = None
     next_context: tuple[torch.Tensor, torch.Tensor, bool] | None = None
     built_at: torch.Tensor | None = None
-    steps: int = 0
+    steps: torch.Tensor | None = None
+    context: tuple[torch.Tensor, torch.Tensor] | None = None
+    most: torch.Tensor | None = None
+    reach: torch.Tensor | None = None
+    selections: torch.Tensor | None = None
     summed: int = 0
     rope: list = field(default_factory=list)
     last_rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -111,23 +123,26 @@ def take_back(press, cache, length: int) -> None:
         state.rope = [(cos[:, : length - state.summed], sin[:, : length - state.summed])]
 
 
-def working_context(press, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def working_context(press, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor,
+                    width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool | None]:
     """Store slots `(batch, n)` and validity of the blocks of sink + selected + window pages + the partial
     page (`selected`: `(batch, blocks)`), and whether every slot is real (read once here for every layer's
-    `gather`)."""
-    n_blocks, size = int((-(-lengths // press.page_stride)).max()), press.page_stride
+    `gather`). `width`: blocks per row, a compiled step's fixed width (`selected` then spans every block a row
+    reaches, and nothing is read on the host: whether every slot is real is None); None: the widest row's."""
+    size, fixed = press.page_stride, width is not None
+    n_blocks = selected.shape[1] if fixed else int((-(-lengths // size)).max())
     always, _ = press.block_roles(lengths, n_blocks)
     attended = always | pad_columns(selected, n_blocks)
     # Attended blocks first, in order; then tokens of each block, those past the row's end invalid.
     order = torch.where(attended, torch.arange(n_blocks, device=attended.device), n_blocks).sort(dim=-1).values
-    width = int(attended.sum(-1).max())
+    if width is None:
+        width = int(attended.sum(-1).max())
     blocks = order[:, :width]
     offsets = blocks[..., None] * size + torch.arange(size, device=blocks.device)
     offsets = offsets.flatten(1)  # (b, width * page_stride) token index within the row
     valid = (blocks < n_blocks).repeat_interleave(size, dim=1) & (offsets < lengths[:, None])
     slots = (offsets + prompt_start.to(offsets.device)[:, None]).where(valid, 0)
-    return slots, valid, bool(valid.all())
+    return slots, valid, None if fixed else bool(valid.all())
 
 
 def read_stores(cache) -> None:
@@ -142,11 +157,10 @@ def read_stores(cache) -> None:
         cache.layers[i].gather(None, valid)
 
 
-def budget_retention(press, lengths: torch.Tensor) -> tuple:
+def budget_retention(press, lengths: torch.Tensor, n_blocks: int) -> tuple:
     """CHESS's `budget` as retention ratios per row `(batch,)`: the fraction of a row's candidate tokens that fills
     the budget beside the tokens always attended (sink, window and partial pages), split evenly over the levels as
-    `ratio` is; 1 when everything fits."""
-    n_blocks = int((-(-lengths // press.page_stride)).max())
+    `ratio` is; 1 when everything fits. `n_blocks`: the grid's blocks (at least every row's)."""
     always, candidate = press.block_roles(lengths, n_blocks)
     start = torch.arange(n_blocks, device=lengths.device) * press.page_stride
     tokens = (lengths[:, None] - start).clamp(0, press.page_stride)  # (batch, blocks)
