@@ -189,6 +189,12 @@ class StepViews:
             held[name].copy_(t)
         self.hold(layer)
 
+    def held_positions(self) -> torch.Tensor:
+        """The `n` slots' positions, `held["positions"]`; compiling, a view made in the graph (as `slot_n`)."""
+        if torch.compiler.is_compiling():
+            return self.grown["positions"][..., :-1]
+        return self.held["positions"]
+
     def held_valid(self) -> torch.Tensor:
         """The `n` slots' validity, `held["valid"]`; compiling, a view made in the graph (as `slot_n`)."""
         if torch.compiler.is_compiling():

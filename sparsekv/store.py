@@ -77,10 +77,10 @@ class StoreLayer(KVLayer):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.records_tokens:
             return super().update(key_states, value_states, valid=valid)
-        if self.steps_in_place(key_states.shape[2], valid):  # a compiled cache's step: its slot, then the store
-            keys, values = super().update(key_states, value_states, valid=valid)
+        if self.steps_in_place(key_states.shape[2], valid):  # a compiled cache's step: the store, then its slots
             self._record_step(key_states, value_states)
-            return keys, values
+            self._load_context()
+            return super().update(key_states, value_states, valid=valid)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, (b, h, q, _) = self.logical_len, key_states.shape
@@ -119,10 +119,10 @@ class StoreLayer(KVLayer):
         self.store_positions = torch.arange(capacity, device=keys.device).expand(b, capacity)
 
     def _record_step(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A step's token (written to its slot, `StepViews.write`) into the store at its position, read on the
-        device, where a compiled step reads nothing on the host. A store without room for it is a device-side
-        error, never a token written elsewhere."""
-        position = self._views.slot_n()["positions"][0, 0]  # (1,): every row's token is at one position
+        """A step's token into the store at its position, one past the last token's (which the step's slot holds
+        until `StepViews.write`), read on the device, where a compiled step reads nothing on the host. A store
+        without room for it is a device-side error, never a token written elsewhere."""
+        position = self._views.slot_n()["positions"][0, 0] + 1  # (1,): every row's token is at one position
         torch._assert_async((position < self.store_keys.shape[2]).all(), "sparsekv: a compiled cache has no room "
                             "left in its store for this step's token: make it with max_new_tokens at least "
                             "generate's (`make_cache(model, compiled=True, max_new_tokens=...)`).")
@@ -154,17 +154,23 @@ class StoreLayer(KVLayer):
     def gather_in_place(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Make the working set the store slots `slots` `(batch, n)` (`valid`: which are real), written into the
         layer's own tensors of `n` slots and the step's (`make_step_room`): a compiled cache's step, whose working
-        set is gathered anew at every step and keeps its shape. (Eagerly, a layer whose tensors were replaced, by
-        a reordered batch, first makes that room again.)"""
+        set is gathered anew at every step and keeps its shape. Their positions and validity now, for the mask;
+        their keys and values in `update`, once the step's token is in the store: a store read before it is
+        written would be copied whole by inductor at every step, to keep what was read. (Eagerly, a layer whose
+        tensors were replaced, by a reordered batch, first makes that room again.)"""
         if self._views is None or not self._views.held_by(self):
             self.make_step_room()
+        b, h = self.store_keys.shape[:2]
+        # (slot = position in a store that records every token)
+        self._views.rewrite(self, {"positions": slots[:, None, :].expand(b, h, -1), "valid": valid})
+
+    def _load_context(self) -> None:
+        """The keys and values of the working set's slots (`gather_in_place`), from the store."""
         b, h, _, d = self.store_keys.shape
-        index = slots[:, None, :, None]
+        index = self._views.held_positions()[:, :1, :, None]  # (every head of a row reads the same slots)
         self._views.rewrite(self, {
             "keys": self.store_keys.gather(2, index.expand(b, h, -1, d)),
-            "values": self.store_values.gather(2, index.expand(b, h, -1, self.store_values.shape[-1])),
-            "positions": slots[:, None, :].expand(b, h, -1),  # slot = position in a store that records every token
-            "valid": valid})
+            "values": self.store_values.gather(2, index.expand(b, h, -1, self.store_values.shape[-1]))})
 
     def step_token(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A compiled cache's step token: its keys `(batch, kv_heads, 1, head_dim)` and position `(batch,)`."""

@@ -446,3 +446,23 @@ def test_bad_configuration_raises(kwargs, message):
         CHESSPress(**kwargs)
 
 
+
+
+@pytest.mark.parametrize("options", [{"ratio": 0.1}, {"ratio": 0.5}, {"preset": "aggressive"}, {"budget": 200},
+                                     {"ratio": 0.3, "paper": True}, {"budget": 300, "paper": True},
+                                     {"ratios": (0.9, 0.5, 0.3), "page_size": 8, "chunk_pages": 3}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_a_selection_holds_no_more_blocks_than_a_compiled_step_reads(options):
+    """A compiled cache's working context has a fixed width: the blocks always attended and the most a selection
+    can hold on rows of at most that many blocks (`most_selected`). Algorithm 1's selections, on rows of any
+    length up to it and scores without ties, never hold more."""
+    from sparsekv.presses.chess_steps import most_selected
+
+    press = CHESSPress(**options)
+    g = torch.Generator().manual_seed(0)
+    for tokens in (150, 1000, 4000):
+        n_blocks = -(-tokens // press.page_stride)
+        lengths = torch.tensor([tokens, tokens - 37, tokens // 2, tokens // 3 + 5])
+        sums = torch.randn(len(lengths), n_blocks, 8, generator=g)
+        blocks = press.blocks_of(press.select(sums, lengths)[-1]).sum(-1)
+        assert int(blocks.max()) <= most_selected(press, n_blocks), (tokens, blocks.tolist())

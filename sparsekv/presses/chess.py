@@ -234,7 +234,7 @@ class CHESSPress(Press):
         n_blocks = page_sums.shape[1]  # (a fixed grid: no host read, and a compiled step keeps its shapes)
         always, candidate = self.block_roles(lengths, n_blocks)
         block = torch.arange(n_blocks, device=lengths.device)
-        sums = page_sums[:, :n_blocks]
+        sums = page_sums
         if self.span > 1:  # page k: blocks k ... k + span - 1
             sums = nn.functional.pad(sums, (0, 0, 0, self.span - 1)).unfold(1, self.span, 1).sum(-1)
             # Candidate blocks run from the sink's end to the window's start: a page is one when its first and

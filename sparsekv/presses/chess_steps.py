@@ -68,7 +68,9 @@ def end_step(press, cache, logits: torch.Tensor) -> None:
     keys = torch.cat([rotate(layer.step_token()[0], None if i in state.unrotated else rope, inverse=True)
                       .permute(0, 2, 1, 3).flatten(2) for i, layer in layers.items()], dim=-1).float()
     block = (lengths - 1).div(press.page_stride, rounding_mode="floor")
-    state.page_sums.scatter_add_(1, block[:, None, None].expand(-1, 1, keys.shape[-1]), keys)  # eq. 1's sums
+    # Eq. 1's sums. (An indexed add, which inductor makes in place; a scatter_add_ it makes on a copy of the sums.)
+    rows = torch.arange(len(block), device=block.device)
+    state.page_sums.index_put_((rows, block), keys[:, 0], accumulate=True)
     state.steps.add_(1)
     if press.reselect_every is not None or press.reselect != "never":
         trigger = press.triggers(logits[:, -1], state.steps)
