@@ -82,6 +82,15 @@ def count_graphs(graphs: list, ints: list | None = None, aliased: list | None = 
     return backend
 
 
+def counting_config(graphs: list | None = None, ints: list | None = None, aliased: list | None = None
+                    ) -> CompileConfig:
+    """generate's `compile_config` with the `count_graphs` backend, compiling on a CPU too (transformers compiles
+    there only when asked to)."""
+    config = CompileConfig(backend=count_graphs([] if graphs is None else graphs, ints, aliased), mode=None)
+    config._compile_all_devices = True
+    return config
+
+
 def left_padded(length: int = 64, pad: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of 2: a prompt of `length` tokens, and one of `length - pad` left-padded to it."""
     ids = torch.cat([prompt(length), prompt(length, seed=1)])
@@ -123,8 +132,7 @@ def test_generate_compiles_the_decoding_steps(press, batch):
     model = make_model("llama")
     ids, mask = (prompt(64), None) if batch == "one" else left_padded()
     graphs, ints, aliased = [], [], []
-    config = CompileConfig(backend=count_graphs(graphs, ints, aliased), mode=None)
-    config._compile_all_devices = True  # (transformers compiles on CPU only when asked to)
+    config = counting_config(graphs, ints, aliased)
     torch._dynamo.reset()
     counters.clear()
     try:
@@ -163,8 +171,7 @@ def test_a_prompt_kept_whole_compiles_once(press):
     after the budget is reached."""
     model = make_model("llama")
     graphs = []
-    config = CompileConfig(backend=count_graphs(graphs), mode=None)
-    config._compile_all_devices = True
+    config = counting_config(graphs)
     torch._dynamo.reset()
     try:
         with press(model):
@@ -191,8 +198,7 @@ def test_a_compiled_cache_without_room_fails_loudly(press, compile_):
     if conftest.DEVICE.type != "cpu":
         pytest.skip("a device-side assertion ends the CUDA context")
     model = make_model("llama")
-    config = CompileConfig(backend=count_graphs([]), mode=None)
-    config._compile_all_devices = True
+    config = counting_config()
     torch._dynamo.reset()
     try:
         with press(model):
@@ -223,8 +229,7 @@ def test_a_compiled_generation_leaves_the_eager_cache(press):
     tokens at the same positions, and an eager forward from it gives the eager cache's logits. (To float32's
     rounding: where a compiled cache holds free slots, attention sums over them masked, in another order.)"""
     model = make_model("llama")
-    config = CompileConfig(backend=count_graphs([]), mode=None)
-    config._compile_all_devices = True
+    config = counting_config()
     torch._dynamo.reset()
     try:
         with press(model):
@@ -286,8 +291,7 @@ def test_a_compile_config_that_cannot_be_served_is_said_once(press, caplog):
     block."""
     model = make_model("llama")
     ids = prompt(64)
-    config = CompileConfig(backend=count_graphs([]), mode=None)
-    config._compile_all_devices = True
+    config = counting_config()
     with press(model):
         eager = greedy(model, ids, None, new=4)
         with caplog.at_level(logging.WARNING, logger="sparsekv"):
@@ -344,8 +348,7 @@ def test_other_generate_modes_on_a_compiled_cache(press, mode):
     model = make_model("llama")
     options = {"beam": {"num_beams": 3}, "prompt-lookup": {"prompt_lookup_num_tokens": 3},
                "sample": {"do_sample": True, "top_k": 5}}[mode]
-    config = CompileConfig(backend=count_graphs([]), mode=None)
-    config._compile_all_devices = True
+    config = counting_config()
     torch._dynamo.reset()
     outs = []
     try:
@@ -366,8 +369,7 @@ def test_a_compiled_chess_cache_continued_with_a_question(press):
     prompt read in pieces) reads every token, selects again, and plans its steps anew for the tokens still to
     come: the tokens of a cache not made compiled, compiled or not."""
     model = make_model("llama")
-    config = CompileConfig(backend=count_graphs([]), mode=None)
-    config._compile_all_devices = True
+    config = counting_config()
     torch._dynamo.reset()
     outs = []
     try:
