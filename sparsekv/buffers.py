@@ -180,26 +180,18 @@ class StepViews:
     def rewrite(self, layer, new: dict) -> None:
         """Write the `n` slots anew, in place: `new` maps "keys", "values", "positions" and "valid" to their
         contents (a working set gathered again at every step: a compiled CHESS cache's); the layer's tensors become
-        `held`. Compiling, through views made in the graph (as `slot_n`)."""
-        if torch.compiler.is_compiling():
-            held = {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in self.grown.items()}
-        else:
-            held = self.held
+        `held`."""
         for name, t in new.items():
-            held[name].copy_(t)
+            self.held_view(name).copy_(t)
         self.hold(layer)
 
-    def held_positions(self) -> torch.Tensor:
-        """The `n` slots' positions, `held["positions"]`; compiling, a view made in the graph (as `slot_n`)."""
+    def held_view(self, name: str) -> torch.Tensor:
+        """The `n` slots of the buffer `name` ("keys", "values", "positions", "valid"), `held[name]`; compiling, a
+        view made in the graph (as `slot_n`)."""
         if torch.compiler.is_compiling():
-            return self.grown["positions"][..., :-1]
-        return self.held["positions"]
-
-    def held_valid(self) -> torch.Tensor:
-        """The `n` slots' validity, `held["valid"]`; compiling, a view made in the graph (as `slot_n`)."""
-        if torch.compiler.is_compiling():
-            return self.grown["valid"][:, :-1]
-        return self.held["valid"]
+            t = self.grown[name]
+            return t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1)
+        return self.held[name]
 
     def newest_position(self) -> int:
         """The position slot `n` holds: the newest token's, between steps too (a host read)."""

@@ -238,7 +238,7 @@ class KVLayer(RowState, CacheLayerMixin):
         views = self._views
         if views is None or not views.grown_by(self):
             return
-        free = ~views.held_valid()
+        free = ~views.held_view("valid")
         torch._assert_async(free.any(-1).all(), "sparsekv: a compiled cache has no free slot left for this step's "
                             "token: make it with max_new_tokens at least generate's (`make_cache(model, "
                             "compiled=True, max_new_tokens=...)`).")
@@ -246,9 +246,9 @@ class KVLayer(RowState, CacheLayerMixin):
 
     def past_valid(self) -> torch.Tensor:
         """`valid`, for a mask built before a step's token is in: compiling, read through the step views' buffer
-        (`StepViews.held_valid`), so that the graph takes the buffer alone, not a view of it besides."""
+        (`StepViews.held_view`), so that the graph takes the buffer alone, not a view of it besides."""
         if self._views is not None and torch.compiler.is_compiling() and self._views.held_by(self):
-            return self._views.held_valid()
+            return self._views.held_view("valid")
         return self.valid
 
     def victims(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:

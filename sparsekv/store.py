@@ -167,7 +167,7 @@ class StoreLayer(KVLayer):
     def _load_context(self) -> None:
         """The keys and values of the working set's slots (`gather_in_place`), from the store."""
         b, h, _, d = self.store_keys.shape
-        index = self._views.held_positions()[:, :1, :, None]  # (every head of a row reads the same slots)
+        index = self._views.held_view("positions")[:, :1, :, None]  # (every head of a row reads the same slots)
         self._views.rewrite(self, {
             "keys": self.store_keys.gather(2, index.expand(b, h, -1, d)),
             "values": self.store_values.gather(2, index.expand(b, h, -1, self.store_values.shape[-1]))})

@@ -38,15 +38,15 @@ def plan_steps(press, cache, lengths: torch.Tensor) -> None:
     layers = [cache.layers[i] for i in state.columns]
     positions = layers[0].logical_len + cache.max_new_tokens  # (ints a step reads would be traced as symbols)
     state.reach = torch.full_like(lengths, positions)
-    reach = -(-positions // press.page_stride)  # blocks a row can reach
-    n_blocks = max(reach, state.page_sums.shape[1])
+    reachable = -(-positions // press.page_stride)  # blocks a row can reach
+    n_blocks = max(reachable, state.page_sums.shape[1])
     state.page_sums = torch.nn.functional.pad(state.page_sums, (0, 0, 0, n_blocks - state.page_sums.shape[1]))
     state.selected = pad_columns(state.selected, n_blocks)
-    most = most_selected(press, reach)
+    most = most_selected(press, reachable)
     state.most = torch.full_like(lengths, most)
     always = (press.sink_pages + press.window_pages + 1) * press.span  # blocks: the partial page has `span`
     slots, valid, _ = press.working_context(state.selected, lengths, cache.on("prompt_start", lengths.device),
-                                            min(reach, always + most))
+                                            min(reachable, always + most))
     state.context, state.next_context = (slots, valid), None
     if state.selections is None:  # (a continued prompt plans the steps again: the counts go on)
         state.selections = torch.zeros_like(lengths)
