@@ -31,8 +31,11 @@ def check_number(owner: str, name: str, value, *, integer: bool = False, low=Non
 
 # kvpress's spellings of sparsekv's options (what a user coming from kvpress writes first).
 KVPRESS_NAMES = {"n_sink": "n_sinks", "chunk_length": "chunk_size", "window": "window_size", "kernel": "kernel_size"}
-# Options sparsekv renamed, old name -> new (what code written for an earlier version passes).
-RENAMED = {"plan": "rank_at"}
+# Options sparsekv renamed, old name -> (new name, why), for the presses that take the new one (what code written
+# for an earlier version passes). A sweep's budget (`make_press`'s defaults) sets CHESS's read_budget.
+RENAMED = {"plan": ("rank_at", ""),
+           "budget": ("read_budget", " (CHESS keeps every token: its budget is the tokens a step reads, and budget= "
+                                     "means tokens kept)")}
 
 
 def check_arguments(cls, args: tuple, kwargs: dict) -> None:
@@ -56,8 +59,8 @@ def check_arguments(cls, args: tuple, kwargs: dict) -> None:
                     f"fraction kept: ratio = 1 - compression_ratio{kept}.")
         elif key in KVPRESS_NAMES and KVPRESS_NAMES[key] in names:
             hint = f"sparsekv spells it {KVPRESS_NAMES[key]}."
-        elif key in RENAMED and RENAMED[key] in names:
-            hint = f"it is called {RENAMED[key]} now."
+        elif key in RENAMED and RENAMED[key][0] in names:
+            hint = f"it is called {RENAMED[key][0]} now{RENAMED[key][1]}: {RENAMED[key][0]}={value!r}."
         else:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"did you mean {close[0]}?" if close else "it is not one of its options."

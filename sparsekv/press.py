@@ -181,6 +181,11 @@ class Press:
         step's token); False (the default): every generated token is kept, and the cache grows."""
         return False
 
+    def min_kept(self) -> tuple[int, str]:
+        """The press's floor: the fewest tokens a row keeps (its budget is never lower, and a prompt no longer is
+        kept whole), and what they are, as the press's options say it (e.g. "window_size=32"). Default: 1 token."""
+        return 1, "1 token"
+
     def prompt_tail(self) -> int | None:
         """For a prompt read in pieces (generate's `prefill_chunk_size`): how many of its last tokens' layer
         inputs `compress` reads (their queries), which the driver keeps from the earlier pieces to compress at
@@ -194,18 +199,18 @@ class Press:
         the press's state. The default keeps it: right for state indexed by prompt slot or by row."""
 
     # --- helpers for presses ------------------------------------------------------------------------------------
-    def row_budgets(self, cache: SparseCache, minimum: int = 1, what: str = "1 token", beside: int = 0
-                    ) -> torch.Tensor | None:
+    def row_budgets(self, cache: SparseCache, beside: int = 0) -> torch.Tensor | None:
         """Tokens each row keeps, `(batch,)`, set once per generation on the cache: `budget`, or `ratio` of the
-        row's prompt (rounded), and never fewer than the `minimum` tokens the press always keeps (described by
-        `what`, e.g. "window_size=32"). None when there is nothing to compress: every row's budget, plus the
-        `beside` tokens the press keeps besides it, covers its prompt (`cache.on("budgets")` still gives them).
+        row's prompt (rounded), and never fewer than the tokens the press always keeps (`min_kept`). None when
+        there is nothing to compress: every row's budget, plus the `beside` tokens the press keeps besides it,
+        covers its prompt (`cache.on("budgets")` still gives them).
 
         A row whose prompt is no longer than its budget plus the `beside` tokens the press keeps besides it
         cannot be compressed: it is kept whole (said once per process through the `sparsekv` logger, unless
         `ratio=1.0` asked for that). Its budget stays what it is: a press that evicts while decoding holds it once
-        the row grows past it.
+        the row grows past it. A longer row whose `ratio` falls under the floor keeps the floor (said once too).
         """
+        minimum, what = self.min_kept()
         lengths, first = cache.prompt_lengths, cache.budgets is None
         if first:
             if self.budget is not None:
@@ -218,12 +223,21 @@ class Press:
         if first and self.ratio != 1.0 and bool(whole.any()):
             row = int(lengths.masked_fill(~whole, -1).argmax())
             kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
+            held = int(budgets[row]) + beside
+            after = (f" While decoding it grows to {held} tokens, then evicts one a step." if
+                     self.holds_budget_while_decoding() else " Prompts this short are never compressed.")
             say_once((type(self), "whole"), (
                 f"sparsekv: {type(self).__name__}: a prompt of {int(lengths[row])} tokens"
                 f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "
-                f"{int(budgets[row]) + beside} tokens the press keeps ({kept}"
-                f"{f' and {beside} always attended' if beside else ''}). Prompts this short are never compressed "
-                "(said once)."))
+                f"{held} tokens the press keeps ({kept}{f' and {beside} always attended' if beside else ''})."
+                f"{after} (Said once.)"))
+        raised = (budgets > asked) & ~whole if first and self.budget is None else None
+        if raised is not None and bool(raised.any()):
+            row = int(raised.int().argmax())
+            say_once((type(self), "floor"), (
+                f"sparsekv: {type(self).__name__}: ratio={self.ratio:g} of a prompt of {int(lengths[row])} tokens"
+                f"{f' (row {row})' if len(lengths) > 1 else ''} is {int(asked[row])} tokens, under the press's "
+                f"floor ({what}): it keeps {int(budgets[row])}. (Said once.)"))
         return None if bool(whole.all()) else budgets
 
     @staticmethod
@@ -263,12 +277,8 @@ class ScorerPress(Press):
         """Importance of each prompt token, `(batch, kv_heads, prompt)`; higher is kept first, +inf always."""
         raise NotImplementedError
 
-    def min_kept(self) -> tuple[int, str]:
-        """Tokens the press always keeps (so the smallest budget it accepts), and what they are."""
-        return 1, "1 token"
-
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        budgets = self.row_budgets(cache, *self.min_kept())
+        budgets = self.row_budgets(cache)
         if budgets is None:  # every prompt kept whole
             return
         scores = self.score(cache, layer, call)

@@ -282,13 +282,14 @@ def test_bad_inputs_raise(model, tokenizer, kwargs, message):
 
 def test_command_line(model_dir, tmp_path, capsys):
     plot = tmp_path / "lat.png"
-    assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", "h2o", "--budgets", "40",
+    h2o = "h2o:window_size=8"  # (under its default floor of 64 tokens, a budget of 40 is refused)
+    assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", h2o, "--budgets", "40",
                  "--max-new-tokens", "3", "--repeats", "1", "--plot", str(plot), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "/oracle" in out and "h2o b=40" in out and plot.exists()
-    assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", "h2o", "--budgets", "40",
+    assert "/oracle" in out and f"{h2o} b=40" in out and plot.exists()
+    assert main(["bench", "--model", str(model_dir), "--lengths", "100", "--presses", h2o, "--budgets", "40",
                  "--max-new-tokens", "3", "--repeats", "1", "--batch-sizes", "2", "--rows-apart"]) == 0
-    assert "h2o b=40" in capsys.readouterr().out
+    assert f"{h2o} b=40" in capsys.readouterr().out
     for argv, message in [
         (["--presses", "snapkv,bogus"], "unknown press 'bogus'; known presses"),
         (["--lengths", "5000"], "exceeds the model's context"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
-from sparsekv import CHESSPress, StoreLayer
+from sparsekv import CHESSPress, StoreLayer, make_press
 from sparsekv.presses.chess import PRESETS, uncertainty
 from sparsekv.presses.chess_pages import pad_columns
 
@@ -408,7 +408,6 @@ def test_the_papers_letter_is_one_option_away():
     """sparsekv's defaults are 16-token pages overlapping by half, max pooling and centred scores; `paper=True`
     gives the paper's 32-token pages one after the other, eq. 2's mean and eq. 4 uncentred; an option given
     explicitly wins either way."""
-    from sparsekv.presses.registry import make_press
 
     ours, papers = CHESSPress(ratio=0.1), CHESSPress(ratio=0.1, paper=True)
     assert (ours.page_size, ours.pooling, ours.centre) == (16, "max", True)
@@ -425,8 +424,9 @@ def test_the_papers_letter_is_one_option_away():
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "exactly one of preset"),
     ({"preset": "aggressive", "ratio": 0.1}, "exactly one of preset"),
-    ({"budget": 63}, r"budget must be an integer >= 64 \(tokens a step attends; \(sink_pages \+ window_pages \+ 1\)"),
-    ({"budget": 100, "ratio": 0.1}, "got ratio and budget"),
+    ({"read_budget": 63},
+     r"read_budget must be an integer >= 64 \(tokens a step attends; \(sink_pages \+ window_pages \+ 1\)"),
+    ({"read_budget": 100, "ratio": 0.1}, "got ratio and read_budget"),
     ({"preset": "wild"}, "preset must be one of"),
     ({"ratios": (0.5, 0.2)}, "ratios must be three fractions"),
     ({"ratios": (0.5, 0.0, 0.1)}, r"ratios\[1\] must be in \(0, 1\]"),
@@ -446,10 +446,19 @@ def test_bad_configuration_raises(kwargs, message):
         CHESSPress(**kwargs)
 
 
+def test_budget_is_refused_naming_read_budget():
+    """`budget=` means tokens kept; CHESS keeps every token, and what a step reads has a name of its own."""
+    with pytest.raises(TypeError, match=r"unknown option budget=128: it is called read_budget now .*read_budget=128"):
+        CHESSPress(budget=128)
+    with pytest.raises(ValueError, match=r"no option 'budget'; it is called read_budget now .*chess:read_budget=128"):
+        make_press("chess:budget=128")
+    assert make_press("chess", budget=128).read_budget == 128  # a sweep's budget is what a CHESS step reads
 
 
-@pytest.mark.parametrize("options", [{"ratio": 0.1}, {"ratio": 0.5}, {"preset": "aggressive"}, {"budget": 200},
-                                     {"ratio": 0.3, "paper": True}, {"budget": 300, "paper": True},
+
+
+@pytest.mark.parametrize("options", [{"ratio": 0.1}, {"ratio": 0.5}, {"preset": "aggressive"}, {"read_budget": 200},
+                                     {"ratio": 0.3, "paper": True}, {"read_budget": 300, "paper": True},
                                      {"ratios": (0.9, 0.5, 0.3), "page_size": 8, "chunk_pages": 3}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_a_selection_holds_no_more_blocks_than_a_compiled_step_reads(options):

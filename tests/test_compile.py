@@ -16,7 +16,8 @@ from transformers import CompileConfig
 
 from sparsekv import CHESSPress, ChunkPress, H2OPress, SentencePress, SnapKVPress, StoreLayer, StreamingLLMPress
 
-PRESSES = [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25), SnapKVPress(ratio=0.25, window_size=8),
+PRESSES = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, window_size=1),
+           SnapKVPress(ratio=0.25, window_size=8),
            ChunkPress(ratio=0.25, window_size=8, chunk_size=4)]
 
 
@@ -103,8 +104,8 @@ def left_padded(length: int = 64, pad: int = 5) -> tuple[torch.Tensor, torch.Ten
 # CHESS on small pages, so that a 64-token prompt has candidates: overlapping pages selected at every step, and
 # the paper's pages under a budget, selected every other step (a count on the device).
 CHESS = [CHESSPress(ratio=0.25, page_size=4, chunk_pages=2, grid_chunks=2, reselect="always"),
-         CHESSPress(budget=32, paper=True, page_size=4, chunk_pages=2, grid_chunks=2, reselect_every=2)]
-COMPILED = [StreamingLLMPress(ratio=0.25), H2OPress(ratio=0.25, recent_ratio=0.25),
+         CHESSPress(read_budget=32, paper=True, page_size=4, chunk_pages=2, grid_chunks=2, reselect_every=2)]
+COMPILED = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, recent_ratio=0.25, window_size=1),
             SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4), *CHESS]
 
 
@@ -160,7 +161,8 @@ def test_generate_compiles_the_decoding_steps(press, batch):
     assert not aliased, f"inputs over one storage: {aliased}"
 
 
-@pytest.mark.parametrize("press", [StreamingLLMPress(budget=68), StreamingLLMPress(ratio=1.0), H2OPress(budget=68),
+@pytest.mark.parametrize("press", [StreamingLLMPress(budget=68, window_size=1),
+                                   StreamingLLMPress(ratio=1.0, window_size=1), H2OPress(budget=68, window_size=1),
                                    SnapKVPress(budget=80, window_size=8)], ids=["StreamingLLM", "StreamingLLM-1.0",
                                                                                 "H2O", "SnapKV"])
 @torch.no_grad()
@@ -267,8 +269,8 @@ def test_a_cache_that_cannot_compile_is_refused_at_the_door():
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         SnapKVPress(ratio=0.25).make_cache(make_model("llama"), compiled=True, max_new_tokens=0)
     with pytest.raises(ValueError, match="mixes in layers StreamingLLMPress does not compress"):
-        StreamingLLMPress(ratio=0.25).make_cache(make_model("gemma3"), compiled=True)
-    assert not StreamingLLMPress(ratio=0.25).make_cache(make_model("llama")).is_compileable
+        StreamingLLMPress(ratio=0.25, window_size=1).make_cache(make_model("gemma3"), compiled=True)
+    assert not StreamingLLMPress(ratio=0.25, window_size=1).make_cache(make_model("llama")).is_compileable
 
 
 
@@ -307,7 +309,7 @@ def test_a_compiled_batch_is_not_continued_with_unreadable_padding():
     """A compiled cache's forwards get 4D masks from generate, in which a continued prompt's padding cannot be
     read: a batch continued with several tokens a row is refused, not read as unpadded. A cache not made compiled
     is continued as before."""
-    model, press = make_model("llama"), StreamingLLMPress(ratio=0.25)
+    model, press = make_model("llama"), StreamingLLMPress(ratio=0.25, window_size=1)
     ids, mask = left_padded()
     with press(model):
         for compiled in (True, False):
@@ -331,8 +333,8 @@ def test_first_true_finds_the_first_free_slot():
 
 
 @pytest.mark.parametrize("mode", ["beam", "prompt-lookup", "sample"])
-@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25), CHESS[0]],
-                         ids=label)
+@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25, window_size=1),
+                                   CHESS[0]], ids=label)
 @torch.no_grad()
 def test_other_generate_modes_on_a_compiled_cache(press, mode):
     """A compiled cache under beam search (generate decodes it eagerly, reordering its rows), prompt lookup (it

@@ -26,8 +26,8 @@ from sparsekv.stats import held_tensors
 
 PRESSES = {
     "snapkv": lambda **kw: SnapKVPress(window_size=8, **kw),
-    "h2o": lambda **kw: H2OPress(**kw),
-    "streaming": lambda **kw: StreamingLLMPress(**kw),
+    "h2o": lambda **kw: H2OPress(**{"window_size": 1, **kw}),
+    "streaming": lambda **kw: StreamingLLMPress(**{"window_size": 1, **kw}),
     "chunkkv": lambda **kw: ChunkPress(window_size=8, chunk_size=4, **kw),
     "sentencekv": lambda **kw: SentencePress(make_tokenizer(), n_sinks=4, window_size=8, **kw),
     # Re-selecting every step: with every ratio at 1 it then attends everything, like the full cache.
@@ -59,7 +59,7 @@ def test_the_deprecated_past_key_values_keyword_still_reaches_the_cache():
     """transformers renames a caller's `past_key_values=` to `cache` inside forward, after the hooks ran: the
     hooks must read the name the caller used, or a continued forward would start a new cache."""
     model = make_model("llama")
-    with StreamingLLMPress(budget=20, n_sinks=4)(model):
+    with StreamingLLMPress(budget=20, n_sinks=4, window_size=1)(model):
         cache = model(prompt(64)).cache
         out = model(prompt(2, seed=3), past_key_values=cache)
     assert out.cache is cache
@@ -171,7 +171,7 @@ def test_hooks_removed_and_model_unchanged():
     ids = prompt(40)
     before = model(ids).logits
     hooks = hook_count(model)
-    with StreamingLLMPress(ratio=0.5)(model):
+    with StreamingLLMPress(ratio=0.5, window_size=1)(model):
         assert hook_count(model) > hooks
         greedy(model, ids)
     assert hook_count(model) == hooks
@@ -183,7 +183,7 @@ def test_query_projections_are_hooked_only_for_presses_that_read_step_queries():
     projection = model.model.layers[0].self_attn.q_proj
     with SnapKVPress(ratio=0.5, window_size=8)(model):
         assert not projection._forward_hooks  # a hook would slow every call of it down for nothing
-    with H2OPress(ratio=0.5)(model):
+    with H2OPress(ratio=0.5, window_size=1)(model):
         assert len(projection._forward_hooks) == 1
         greedy(model, prompt(40))
 
@@ -192,12 +192,12 @@ def test_hooks_removed_after_exception():
     model = make_model("llama")
     hooks = hook_count(model)
     with pytest.raises(RuntimeError, match="boom"):
-        with H2OPress(ratio=0.5)(model):
+        with H2OPress(ratio=0.5, window_size=1)(model):
             greedy(model, prompt(40))
             raise RuntimeError("boom")
     assert hook_count(model) == hooks
     # and the press can be installed again
-    with H2OPress(ratio=0.5)(model):
+    with H2OPress(ratio=0.5, window_size=1)(model):
         greedy(model, prompt(40))
 
 
@@ -240,7 +240,7 @@ def test_absolute_positions_kept(arch, impl, new):
     model = make_model(arch, impl)
     ids, budget, sinks = prompt(64), 20, 4
     follow = prompt(new, seed=9)
-    with StreamingLLMPress(budget=budget, n_sinks=sinks)(model):
+    with StreamingLLMPress(budget=budget, n_sinks=sinks, window_size=1)(model):
         cache = model(ids).cache
         kept = torch.cat([torch.arange(sinks), torch.arange(64 - (budget - sinks), 64)]).to(DEVICE)
         for layer in compressed_layers(cache):
@@ -305,7 +305,7 @@ def test_streaming_llm_rolls_every_row_of_a_padded_batch_past_a_full_turn():
     model = make_model("llama", "sdpa")
     lengths, sinks, steps = (30, 50), 4, 40
     ids, mask = left_padded(lengths, 50)
-    with StreamingLLMPress(ratio=0.4, n_sinks=sinks)(model):
+    with StreamingLLMPress(ratio=0.4, n_sinks=sinks, window_size=1)(model):
         out = greedy(model, ids, mask, new=steps + 1, return_dict_in_generate=True)
     for i, n in enumerate(lengths):
         budget, start, end = round(0.4 * n), 50 - n, 50 + steps
@@ -401,7 +401,7 @@ def test_h2o_keeps_and_scores_alike_under_eager_and_sdpa(padded):
     ids, mask = left_padded((40, 60), 60) if padded else (prompt(60), None)
     for impl in ("eager", "sdpa"):
         model = make_model("llama", impl)
-        with H2OPress(budget=20)(model):
+        with H2OPress(budget=20, window_size=1)(model):
             seen = mask  # each row's own positions, as generate gives them
             positions = None if seen is None else (seen.cumsum(-1) - 1).clamp(min=0)
             out = model(ids, attention_mask=seen, position_ids=positions)
@@ -442,7 +442,8 @@ def test_victims_shared_by_layers_are_found_once_a_step_and_are_each_layers_own(
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # a left-padded row: its sinks start later
     found = {}
-    for press in (StreamingLLMPress(budget=16, n_sinks=2), LayerByLayer(budget=16, n_sinks=2)):
+    for press in (StreamingLLMPress(budget=16, n_sinks=2, window_size=1),
+                  LayerByLayer(budget=16, n_sinks=2, window_size=1)):
         searches.clear()
         scorings.clear()
         with press(model):
@@ -465,7 +466,7 @@ def test_h2o_received_attention_is_the_full_attention_matrix_summed():
     steps fit, so nothing is evicted)."""
     model = make_model("qwen2", "eager")
     ids, steps = prompt(50), 3
-    with H2OPress(budget=64)(model):
+    with H2OPress(budget=64, window_size=1)(model):
         out = model(ids)
         cache, tokens = out.cache, [out.logits[:, -1:].argmax(-1)]
         for _ in range(steps):
@@ -573,7 +574,7 @@ def test_a_copy_made_while_evicting_decodes_as_the_original_and_shares_no_storag
 
 def test_prompt_kept_marks_what_attention_reads():
     model = make_model("llama", "sdpa")
-    with StreamingLLMPress(budget=12, n_sinks=4)(model):
+    with StreamingLLMPress(budget=12, n_sinks=4, window_size=1)(model):
         out = greedy(model, prompt(40), new=1, return_dict_in_generate=True)
     kept = out.cache.prompt_kept()
     expected = torch.zeros(40, dtype=torch.bool)
@@ -628,7 +629,7 @@ def test_row_tensors_are_copied_to_a_device_once_per_value():
     """`SparseCache.on`: the CPU row tensors a step reads on another device are copied there once (a decoding step
     copies nothing to a GPU), and anew when the value changes (a reordered batch); on their own device, as is."""
     model = make_model("llama")
-    with StreamingLLMPress(budget=20, n_sinks=4)(model):
+    with StreamingLLMPress(budget=20, n_sinks=4, window_size=1)(model):
         cache = model(prompt(40, batch=2)).cache
     meta = torch.device("meta")  # another device on any machine
     first = cache.on("prompt_start", meta)

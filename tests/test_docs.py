@@ -11,11 +11,31 @@ import pytest
 import torch
 from conftest import greedy, make_model, prompt
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 
 
 def python_blocks(page: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
+
+
+@pytest.mark.slow
+def test_the_readmes_python_runs_as_pasted(capsys, monkeypatch):
+    """Each of the README's Python blocks in a namespace of its own, as a user pastes one into a fresh session
+    (the model is loaded once for all of them): each finds the needle, the compiled one too (on a CPU)."""
+    import functools
+
+    import sparsekv.models
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) == 2 and "CompileConfig" in blocks[1]
+    monkeypatch.setattr(sparsekv.models, "load_model", functools.cache(sparsekv.models.load_model))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # (other tests' graphs in this process)
+    for block in blocks:
+        namespace = {"__name__": "__main__"}
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+        out = capsys.readouterr().out
+        assert out.split("| expected:")[0].strip().rstrip(".") == namespace["answer"].rstrip("."), out
 
 
 @pytest.mark.slow

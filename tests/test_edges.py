@@ -60,9 +60,29 @@ def test_a_prompt_shorter_than_what_the_press_keeps_is_kept_whole(press_cls, sai
         assert all(held == [budget] for held in real_held(out.cache))
     else:
         assert torch.equal(out.sequences, plain)
-    if press_cls not in (H2OPress, CHESSPress):  # H2O keeps round(0.25 * 6) = 2; CHESS selects pages, no budget
+    if press_cls is not CHESSPress:  # CHESS selects pages: no budget
         messages = said()
         assert len(messages) == 1 and "whole" in messages[0] and press_cls.__name__ in messages[0], messages
+
+
+@pytest.mark.parametrize("press_cls", EVICTING, ids=lambda c: c.__name__)
+def test_a_chat_turn_under_the_floor_decodes_untouched_at_defaults(press_cls, said):
+    """H2O and StreamingLLM never hold fewer than their floor (64 tokens at their defaults: a recent window, and
+    StreamingLLM's sinks), so a prompt and its answer that fit in it decode as the plain model does, alone and
+    in a left-padded batch; past the floor they hold it. Said once, naming the floor."""
+    model = make_model("llama")
+    floor, _ = press_cls(ratio=0.1).min_kept()
+    assert floor == 64
+    ids, mask = left_padded((40, 20), 40)
+    with press_cls(ratio=0.1)(model):
+        batch = greedy(model, ids, mask, new=24, suppress_tokens=[2])  # 64 and 44 tokens: within the floor
+        longer = greedy(model, ids[:1], new=40, suppress_tokens=[2], return_dict_in_generate=True)
+    for row, n in enumerate((40, 20)):
+        plain = greedy(model, ids[row:row + 1, 40 - n:], new=24, suppress_tokens=[2])
+        assert torch.equal(batch[row, 40:], plain[0, n:]), f"row {row}"
+    assert all(held == [floor] for held in real_held(longer.cache))  # 40 + 39 tokens seen, the floor held
+    messages = said()
+    assert len(messages) == 1 and "kept whole" in messages[0] and "grows to 64 tokens" in messages[0], messages
 
 
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
@@ -111,24 +131,28 @@ def test_an_evicting_press_holds_a_budget_larger_than_the_prompt_once_decoding_r
     assert all(held == [39] for held in real_held(short.cache))
 
 
-def test_ratio_on_a_short_prompt_keeps_at_least_what_the_press_always_keeps():
-    """ratio=0.1 of a 100-token prompt is 10 tokens, fewer than SnapKV's 32-token window: it keeps the window."""
+def test_ratio_on_a_short_prompt_keeps_at_least_what_the_press_always_keeps(said):
+    """ratio=0.1 of a 100-token prompt is 10 tokens, fewer than SnapKV's 32-token window: it keeps the window,
+    and says so once."""
     model = make_model("llama")
     with SnapKVPress(ratio=0.1)(model):
         cache = model(prompt(100)).cache
+        model(prompt(90))
     assert int(cache.budgets[0]) == 32
     assert all(layer.slots == 32 for layer in cache.compressed_layers())
+    assert said() == ["sparsekv: SnapKVPress: ratio=0.1 of a prompt of 100 tokens is 10 tokens, under the press's "
+                      "floor (window_size=32): it keeps 32. (Said once.)"]
 
 
 # --- a budget for CHESS ----------------------------------------------------------------------------------------------
 def test_chess_budget_is_the_tokens_a_step_attends():
     model = make_model("llama")
     ids = prompt(400)
-    with CHESSPress(budget=96, page_size=8, reselect="always")(model):
+    with CHESSPress(read_budget=96, page_size=8, reselect="always")(model):
         out = greedy(model, ids, new=6, return_dict_in_generate=True)
     attended = out.cache.stats().attended_tokens
     assert all(64 <= a <= 96 + 8 + 6 for a in attended), attended  # within a page and the steps since
-    with CHESSPress(budget=500, page_size=8, reselect="always")(model):
+    with CHESSPress(read_budget=500, page_size=8, reselect="always")(model):
         whole = greedy(model, ids, new=6, return_dict_in_generate=True)
     assert torch.equal(whole.sequences, greedy(model, ids, new=6))
 
@@ -158,7 +182,7 @@ def test_right_padding_is_refused_naming_the_fix(press_cls):
 # --- a cache under another press, threads -----------------------------------------------------------------------------
 def test_a_cache_continued_under_another_press_is_refused_naming_both():
     model = make_model("llama")
-    first, second = SnapKVPress(ratio=0.5, window_size=8), H2OPress(ratio=0.5)
+    first, second = SnapKVPress(ratio=0.5, window_size=8), H2OPress(ratio=0.5, window_size=1)
     with first(model):
         cache = model(prompt(40)).cache
     with second(model), pytest.raises(ValueError, match=r"built under SnapKVPress\(ratio=0.5.*this block installs "

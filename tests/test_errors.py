@@ -39,7 +39,8 @@ def test_invalid_ratio_or_budget(press_cls, kwargs, message):
         (lambda: SnapKVPress(ratio=0.5, pooling="mean"), "pooling must be 'max' or 'avg'"),
         (lambda: SnapKVPress(budget=16, window_size=32), "must be at least window_size=32"),
         (lambda: H2OPress(ratio=0.5, recent_ratio=1.2), r"recent_ratio must be in \[0, 1\]"),
-        (lambda: StreamingLLMPress(budget=4, n_sinks=4), "must exceed n_sinks=4"),
+        (lambda: StreamingLLMPress(budget=4, n_sinks=4), r"budget=4 must be at least n_sinks=4 \+ window_size=60 = 64"),
+        (lambda: H2OPress(budget=16), "budget=16 must be at least window_size=64"),
         (lambda: StreamingLLMPress(ratio=0.5, n_sinks=-1), "n_sinks must be an integer >= 0"),
     ],
 )
@@ -59,7 +60,7 @@ def test_nesting_two_presses():
     hooks = hook_count(model)
     with SnapKVPress(ratio=0.5)(model):
         with pytest.raises(ValueError, match="already installed on this model; presses do not nest"):
-            with H2OPress(ratio=0.5)(model):
+            with H2OPress(ratio=0.5, window_size=1)(model):
                 pass
         inner = hook_count(model)
     assert inner > hooks and hook_count(model) == hooks

@@ -373,15 +373,17 @@ def read_shard(path: Path) -> list[dict]:
 
 
 def test_press_errors_are_recorded_not_raised(tmp_path, model, tokenizer):
-    # A budget of 16 is below SnapKV's 32-token window (the press cannot be built); 500 exceeds the prompt, which
-    # is then kept whole.
+    # A budget of 16 is below SnapKV's 32-token window and H2O's 64-token floor (the press cannot be built); 500
+    # exceeds the prompt, which is then kept whole.
     results = Evaluator(config(tmp_path, presses=["snapkv", "h2o"], budgets=[16, 500], full=False), model,
                         tokenizer).run_all()
     by_run = {(m["press"], m["budget"]): m for m in results}
     assert by_run[("snapkv", 16)]["errors"] == 3 and by_run[("snapkv", 16)]["score"] == 0
     run = tmp_path / "results" / "tiny" / "niah_single" / "snapkv_b16_200_question"
     assert "must be at least window_size=32" in read_predictions(run)[0]["error"]
-    assert by_run[("h2o", 500)]["errors"] == by_run[("h2o", 16)]["errors"] == 0
+    assert by_run[("h2o", 16)]["errors"] == 3 and by_run[("h2o", 500)]["errors"] == 0
+    run = tmp_path / "results" / "tiny" / "niah_single" / "h2o_b16_200_question"
+    assert "must be at least window_size=64" in read_predictions(run)[0]["error"]
 
 
 # --- report ----------------------------------------------------------------------------------------------------
@@ -484,6 +486,52 @@ def test_report_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["report", str(tmp_path / "m" / "passkey" / "nothing")])
     assert "RESULTS_DIR" in capsys.readouterr().err
+
+
+def without(monkeypatch, *modules: str) -> None:
+    """As on an install without the extras that bring `modules`: the checks that look for them find nothing."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else find(name, *a))
+
+
+def test_report_writes_its_tables_without_matplotlib(tmp_path, capsys, monkeypatch):
+    """Tables need pandas alone: without matplotlib the default plot is skipped with a one-line notice (exit 0);
+    a plot asked for by name is refused before anything is read, naming the extra."""
+    synthetic_results(tmp_path)
+    without(monkeypatch, "matplotlib")
+    assert main(["report", str(tmp_path), "--format", "md"]) == 0
+    captured = capsys.readouterr()
+    assert "| snapkv" in captured.out and not (tmp_path / "accuracy.png").exists()
+    assert captured.err.strip() == (f"sparsekv: no plot drawn: pip install 'sparsekv[plot]' to draw "
+                                    f"{tmp_path / 'accuracy.png'}.")
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(tmp_path), "--plot", str(tmp_path / "p.png")])
+    assert exit_.value.code == 2 and "needs matplotlib to draw plots: pip install 'sparsekv[plot]'" in \
+        capsys.readouterr().err
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("command, modules, extras", [
+    (["eval", "--model", "smollm2-135m"], ("pandas",), "eval"),
+    (["eval", "--model", "smollm2-135m", "--tasks", "ruler:niah_single_1"], ("pandas", "datasets"), "eval"),
+    (["eval", "--model", "smollm2-135m"], ("pandas", "gguf"), "eval,gguf"),
+    (["demo"], ("gguf",), "gguf"),
+    (["bench", "--model", "x.gguf", "--plot", "b.png"], ("matplotlib", "psutil"), "eval,plot"),
+])
+def test_a_command_checks_its_extras_before_any_work(command, modules, extras, monkeypatch, capsys):
+    """A missing extra is found at the door, not after a sweep: nothing is loaded, and the one `pip install` that
+    brings every missing module is named."""
+    import sparsekv.models
+
+    monkeypatch.setattr(sparsekv.models, "load_model", lambda *a, **kw: pytest.fail("work began"))
+    without(monkeypatch, *modules)
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"pip install 'sparsekv[{extras}]'" in err, err
+    assert all(module in err for module in modules), err
 
 
 # --- end to end and bad input ----------------------------------------------------------------------------------

@@ -49,8 +49,10 @@ ARCHS = ("llama", "qwen3", "phi3", "gemma3")
 
 
 def tiny_press(cls, **budget) -> Press:
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
     args = (make_tokenizer(),) if "tokenizer" in names else ()
+    if "budget" in budget and "budget" not in names:  # CHESS's budget is what a step reads
+        budget = {"read_budget": budget["budget"]}
     return cls(*args, **{k: v for k, v in TINY.items() if k in names}, **(budget or {"ratio": 0.25}))
 
 

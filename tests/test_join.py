@@ -13,7 +13,8 @@ from sparsekv import (
     prefill_rows,
 )
 
-JOINING = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), StreamingLLMPress(ratio=0.3),
+JOINING = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3, window_size=1),
+           StreamingLLMPress(ratio=0.3, window_size=1),
            ChunkPress(ratio=0.3, window_size=8, chunk_size=5),
            SentencePress(make_tokenizer(), ratio=0.3, n_sinks=4, window_size=8),  # (stores of 72 / 68 / 54 slots)
            # (stores with empty slots: keep_factor x tau is more than a row has besides its sinks and window)
@@ -90,7 +91,7 @@ def _assert_laid_out_alike(mine, theirs, where: str) -> None:
         assert mine == theirs, where
 
 
-@pytest.mark.parametrize("press", [H2OPress(ratio=0.3), JOINING[4]], ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("press", [H2OPress(ratio=0.3, window_size=1), JOINING[4]], ids=lambda p: type(p).__name__)
 def test_groups_of_rows_and_beam_search(press):
     """Rows prefilled two at a time join as well, and beam search (which reorders the joined rows) gives what it
     gives on the batch prefilled together. A cache given to generate is not expanded for its beams: say so."""
@@ -183,7 +184,7 @@ def test_join_refusals():
             SparseCache.join([whole, press.make_cache(model)])
         with pytest.raises(ValueError, match="one or more sparsekv caches"):
             SparseCache.join([])
-    other = H2OPress(ratio=0.3)
+    other = H2OPress(ratio=0.3, window_size=1)
     with other(model), torch.no_grad():
         theirs = model(ids[:1, :-1], use_cache=True).cache
     with pytest.raises(ValueError, match="different presses"):
@@ -229,7 +230,7 @@ def test_a_consuming_join_releases_each_layer_and_joins_the_same():
     released, so the rows' KV is never held twice."""
     model = make_model("llama")
     ids, mask = batch()
-    press = H2OPress(ratio=0.3)
+    press = H2OPress(ratio=0.3, window_size=1)
     with press(model), torch.no_grad():
         parts = [model(ids[i:i + 1, :-1], attention_mask=mask[i:i + 1, :-1], use_cache=True).cache for i in range(3)]
         kept = SparseCache.join(parts).prompt_kept()

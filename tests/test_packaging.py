@@ -91,12 +91,14 @@ def test_the_code_keeps_to_its_line_length():
 def test_the_help_lists_what_the_library_has():
     """The command line's help names the presses, tasks and dtypes without importing them (a quick `--help`):
     its lists are the registry's, the tasks' and the models' own."""
-    from sparsekv.cli.args import DTYPES, PRESS_NAMES, TASK_NAMES
+    from sparsekv.cli.args import DTYPES, MODEL_NAMES, PRESS_NAMES, TASK_NAMES
     from sparsekv.evaluation import TASKS
     from sparsekv.models import DTYPES as MODEL_DTYPES
+    from sparsekv.models import MODELS
     from sparsekv.presses.registry import BUILT_IN
 
     assert PRESS_NAMES == tuple(BUILT_IN) and TASK_NAMES == tuple(TASKS) and DTYPES == MODEL_DTYPES
+    assert MODEL_NAMES == tuple(MODELS)
 
 
 def test_import_and_help_load_no_torch():
@@ -125,3 +127,19 @@ def test_the_demos_extra_holds_what_loading_an_offline_model_needs():
     assert '"gguf' in extra and '"accelerate' in extra
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert 'pip install -e ".[gguf]" -c constraints.txt && sparsekv demo' in readme
+
+
+def test_the_readme_stays_short():
+    """A newcomer reads the README top to bottom: at most 180 lines, the details in docs/."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert len(readme.splitlines()) <= 180
+
+
+def test_the_docs_keep_no_run_diary():
+    """README and docs say what was measured, where and with which command: no dated run notes."""
+    root = Path(__file__).parents[1]
+    dated = re.compile(r"\b20\d\d-\d\d(-\d\d)?\b")
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    found = [f"{path.relative_to(root)}:{number}" for path in pages
+             for number, line in enumerate(path.read_text().splitlines(), 1) if dated.search(line)]
+    assert not found, found

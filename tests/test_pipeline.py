@@ -32,7 +32,7 @@ def model(tokenizer):
 
 def test_text_generation_pipeline_runs_compressed(model, tokenizer):
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
-    press = StreamingLLMPress(budget=16)
+    press = StreamingLLMPress(budget=16, window_size=1)
     caches = []
     hook = model.register_forward_hook(lambda m, args, kwargs, out: caches.append(out.cache),
                                        with_kwargs=True)

@@ -9,7 +9,8 @@ from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 from sparsekv import ChunkPress, H2OPress, SentencePress, SnapKVPress, StreamingLLMPress
 from sparsekv.prefill import Prefill
 
-PRESSES = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3), StreamingLLMPress(budget=24),
+PRESSES = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3, window_size=1),
+           StreamingLLMPress(budget=24, window_size=1),
            ChunkPress(ratio=0.3, window_size=8, chunk_size=5),
            SentencePress(make_tokenizer(), ratio=0.4, n_sinks=4, window_size=8)]
 
@@ -58,9 +59,10 @@ def test_prefill_is_reusable_and_untouched_by_presses():
     model = make_model("llama")
     prefill = Prefill.run(model, prompt(50))
     keys = [layer.keys.clone() for layer in prefill.cache.layers]
-    first = prefill.generate(StreamingLLMPress(budget=16), max_new_tokens=6, do_sample=False)
-    prefill.generate(H2OPress(ratio=0.2), max_new_tokens=6, do_sample=False)
-    assert torch.equal(prefill.generate(StreamingLLMPress(budget=16), max_new_tokens=6, do_sample=False), first)
+    first = prefill.generate(StreamingLLMPress(budget=16, window_size=1), max_new_tokens=6, do_sample=False)
+    prefill.generate(H2OPress(ratio=0.2, window_size=1), max_new_tokens=6, do_sample=False)
+    again = prefill.generate(StreamingLLMPress(budget=16, window_size=1), max_new_tokens=6, do_sample=False)
+    assert torch.equal(again, first)
     assert all(torch.equal(k, layer.keys) for k, layer in zip(keys, prefill.cache.layers))
 
 
@@ -93,12 +95,12 @@ def test_prompt_work_done_once_per_prompt(monkeypatch):
         # SnapKV with ChunkKV's kernel: the same window scores, shared
         for press in (SnapKVPress(ratio=ratio, window_size=8, kernel_size=7),
                       ChunkPress(ratio=ratio, window_size=8, reuse_layers=1),
-                      H2OPress(ratio=ratio)):
+                      H2OPress(ratio=ratio, window_size=1)):
             prefill.compress(press)
     assert calls.count("window") == 3 and calls.count("h2o") == 3
     prefill.compress(SnapKVPress(ratio=0.5, window_size=16))  # another window: other scores
     assert calls.count("window") == 6
-    with H2OPress(ratio=0.5)(model):  # outside a replay nothing is shared
+    with H2OPress(ratio=0.5, window_size=1)(model):  # outside a replay nothing is shared
         model(prompt(80))
         model(prompt(80))
     assert calls.count("h2o") == 9

@@ -53,3 +53,24 @@ def test_the_needle_is_one_sentence_with_the_real_tokenizer(smollm2):
     sentences = ["".join(t for t, s in zip(texts, which.tolist()) if s == k) for k in range(int(which.max()) + 1)]
     holding = [s for s in sentences if answer in s]
     assert len(holding) == 1 and "special magic number" in holding[0] and len(holding[0]) < 200
+
+
+def test_a_chat_turn_is_answered_as_without_a_press_under_every_press(smollm2):
+    """"Hi" with the chat template (31 tokens) and its answer fit within what every press keeps at its defaults
+    (H2O's and StreamingLLM's floor included): the reply is the plain model's, token for token."""
+    from sparsekv import make_press
+    from sparsekv.presses.registry import BUILT_IN
+
+    model, tokenizer = smollm2
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids.shape[1] < 64
+
+    def reply():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+
+    plain = reply()
+    for name in BUILT_IN:
+        with make_press(f"{name}:ratio=0.1", tokenizer=tokenizer)(model):
+            assert torch.equal(reply(), plain), (name, tokenizer.decode(plain[0, ids.shape[1]:]))

@@ -1,7 +1,8 @@
 """The `sparsekv` command line: `sparsekv <command> [options]`.
 
-Each command is a module of this package with `HELP`, `add_arguments(parser)` and `run(args)` (what the commands
-share: `sparsekv.cli.args`). Building the parser imports only the argument definitions, no torch, so `--help` is
+Each command is a module of this package with `HELP`, `add_arguments(parser)`, `needs(args)` (the optional
+modules it will use, checked before it starts: `args.check_extras`) and `run(args)` (what the commands share:
+`sparsekv.cli.args`). Building the parser imports only the argument definitions, no torch, so `--help` is
 quick; a command imports what it needs when it runs. Add a command by adding its module to `COMMANDS`.
 """
 
@@ -11,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from .args import check_extras
 from .args import placement, placement_args  # noqa: F401 (the benchmarks' scripts take the same options)
 
 # command -> its module
@@ -27,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         command = importlib.import_module(f".{module}", __name__)
         sub = subparsers.add_parser(name, help=command.HELP, description=command.HELP)
         command.add_arguments(sub)
-        sub.set_defaults(run=command.run, parser=sub)  # a command reports bad arguments with args.parser.error
+        # (a command reports bad arguments with args.parser.error)
+        sub.set_defaults(run=command.run, needs=command.needs, parser=sub)
     return parser
 
 
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from ..models import ModelFetchError
 
+    check_extras(args, args.needs(args))  # before any work: a missing extra is not found after a long sweep
     try:
         return args.run(args)
     except ModelFetchError as err:  # e.g. the package index is unreachable: the message says what to do

@@ -5,6 +5,7 @@ here, without importing torch, so that `--help` is quick; tests check them again
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Callable
 
 # The built-in presses (`sparsekv.presses.registry.BUILT_IN`), the local tasks (`sparsekv.evaluation.TASKS`) and
@@ -14,9 +15,32 @@ TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquer
               "common_words", "frequent_words", "passkey", "prose_number", "prose_code", "prose_name",
               "prose_multikey")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODEL_NAMES = ("smollm2-135m", "qwen2.5-0.5b")  # the offline models' aliases (`sparsekv.models.MODELS`), GGUF files
 PRESSES_HELP = (f"comma-separated, of: full, {', '.join(PRESS_NAMES)}, or an installed plug-in's name; options "
                 "after the name: chunkkv:reuse_layers=1")
-MODEL_HELP = "alias (smollm2-135m, qwen2.5-0.5b), .gguf file, model folder or Hub id (default: %(default)s)"
+MODEL_HELP = f"alias ({', '.join(MODEL_NAMES)}), .gguf file, model folder or Hub id (default: %(default)s)"
+
+# An optional module a command needs: (module, the sparsekv extra that installs it, what for).
+Need = tuple[str, str, str]
+PANDAS: Need = ("pandas", "eval", "to report results")
+MATPLOTLIB: Need = ("matplotlib", "plot", "to draw plots")
+
+
+def model_needs(model: str) -> list[Need]:
+    """What loading `model` takes besides the core: the GGUF reader for an offline alias or a .gguf file."""
+    if model in MODEL_NAMES or model.endswith(".gguf"):
+        return [("gguf", "gguf", "to load GGUF models"), ("accelerate", "gguf", "to load GGUF models")]
+    return []
+
+
+def check_extras(args: argparse.Namespace, needs: list[Need]) -> None:
+    """Before a command does any work: exit through `args.parser.error` naming the missing modules and the one
+    `pip install` that brings them all."""
+    missing = [need for need in needs if importlib.util.find_spec(need[0]) is None]
+    if missing:
+        extras = ",".join(sorted({extra for _, extra, _ in missing}))
+        said = "; ".join(f"{module} {what}" for module, _, what in dict.fromkeys(missing))
+        args.parser.error(f"this command needs {said}: pip install 'sparsekv[{extras}]'")
 
 
 def fraction(zero_allowed: bool) -> Callable[[str], float]:

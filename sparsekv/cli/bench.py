@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import argparse
 
-from .args import MODEL_HELP, PRESSES_HELP, csv, fraction, int_at_least, placement, placement_args, press_specs
+from .args import (
+    MATPLOTLIB,
+    MODEL_HELP,
+    PRESSES_HELP,
+    Need,
+    csv,
+    fraction,
+    int_at_least,
+    model_needs,
+    placement,
+    placement_args,
+    press_specs,
+)
 
 HELP = "prefill and decode latency, memory and KV: presses vs the full cache and the oracle"
 
@@ -20,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kept = parser.add_mutually_exclusive_group()
     kept.add_argument("--ratios", type=csv(fraction(zero_allowed=False)),
                       help="fractions of the prompt's KV kept, each in (0, 1] (default: 0.1)")
-    kept.add_argument("--budgets", type=csv(int_at_least(1)), help="tokens of KV kept, instead of --ratios")
+    kept.add_argument("--budgets", type=csv(int_at_least(1)),
+                      help="tokens of KV kept (CHESS: its read_budget, tokens a step reads), instead of --ratios")
     add("--max-new-tokens", type=int_at_least(2), default=64, help="tokens generated, exactly (default: %(default)s)")
     add("--batch-sizes", type=csv(int_at_least(1)), default=[1],
         help="prompts decoded together, comma-separated (default: 1); with several, --plot also draws tokens/s "
@@ -41,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--plot", metavar="FILE.png", help="write decode latency vs generated tokens, a line per configuration")
     add("--json", metavar="FILE.json", help="write the rows, with per-step latency curves")
     placement_args(parser)
+
+
+def needs(args: argparse.Namespace) -> list[Need]:
+    return [*model_needs(args.model), ("psutil", "eval", "to measure memory"), *([MATPLOTLIB] if args.plot else [])]
 
 
 def run(args: argparse.Namespace) -> int:

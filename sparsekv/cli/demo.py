@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import MODEL_HELP, fraction, int_at_least, placement, placement_args
+from .args import MODEL_HELP, Need, fraction, int_at_least, model_needs, placement, placement_args
 
 HELP = "needle-in-a-haystack demo: full cache vs each press"
 
@@ -18,6 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-new-tokens", type=int_at_least(1), default=16, help="tokens generated (default: %(default)s)")
     add("--depth", type=fraction(zero_allowed=True), default=0.5, help="needle depth in [0, 1] (default: %(default)s)")
     placement_args(parser)
+
+
+def needs(args: argparse.Namespace) -> list[Need]:
+    return model_needs(args.model)
 
 
 def run(args: argparse.Namespace) -> int:

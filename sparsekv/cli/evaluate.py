@@ -6,11 +6,14 @@ import argparse
 
 from .args import (
     MODEL_HELP,
+    PANDAS,
     PRESSES_HELP,
     TASK_NAMES,
+    Need,
     csv,
     fraction,
     int_at_least,
+    model_needs,
     placement,
     placement_args,
     press_specs,
@@ -30,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kept = parser.add_mutually_exclusive_group()
     kept.add_argument("--ratios", type=csv(fraction(zero_allowed=False)), default=[0.5, 0.25, 0.1],
                       help="fractions of the KV kept, each in (0, 1] (default: 0.5,0.25,0.1)")
-    kept.add_argument("--budgets", type=csv(int_at_least(1)), help="tokens of KV kept, instead of --ratios")
+    kept.add_argument("--budgets", type=csv(int_at_least(1)),
+                      help="tokens of KV kept (CHESS: its read_budget, tokens a step reads), instead of --ratios")
     add("--lengths", type=csv(int_at_least(16)), default=[4096],
         help="prompt lengths in model tokens, chat template included (default: 4096)")
     add("--samples", type=int_at_least(1), default=20, help="samples per task and length (default: %(default)s)")
@@ -43,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--haystack", help="a text file whose sentences replace the noise haystack")
     add("--no-full", action="store_true", help="do not run the full-cache reference")
     placement_args(parser)
+
+
+def needs(args: argparse.Namespace) -> list[Need]:
+    """The model's loader, the report printed at the end, accelerate's process split, and the Hub's datasets for
+    `ruler:` / `longbench:` tasks."""
+    hub = any(task.partition(":")[0] in ("ruler", "longbench") for task in args.tasks)
+    return [*model_needs(args.model), PANDAS, ("accelerate", "eval", "to split a sweep over processes"),
+            *([("datasets", "eval", "for Hub tasks")] if hub else [])]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -54,7 +54,8 @@ class CHESSPress(Press):
     attended always and are not candidates; the hierarchy starts at each row's first token; the default thresholds
     are the 99th percentiles `calibrate` gives on SmolLM2-135M-Instruct over the papers' text.
 
-    Give one of `preset`, `ratios`, `ratio` or `budget`.
+    Give one of `preset`, `ratios`, `ratio` or `read_budget`. CHESS keeps every token, so it takes no `budget`
+    (tokens kept, the other presses' option): `read_budget` is what a step reads.
 
     Args:
         preset: "conservative" (0.9, 0.9, 0.9), "moderate" (0.8, 0.7, 0.7) or "aggressive" (0.5, 0.2, 0.1),
@@ -63,8 +64,8 @@ class CHESSPress(Press):
             selected, each in (0, 1].
         ratio: the fraction of candidate pages selected, split evenly over the levels (rho = ratio ** (1 / 3);
             sparsekv's, to sweep CHESS on the axis of the other presses).
-        budget: tokens a step attends after a selection, sink, window and partial pages included (sparsekv's): per
-            row, the fraction of its pages that fills it; at least (sink_pages + window_pages + 1) * page_size.
+        read_budget: tokens a step attends after a selection, sink, window and partial pages included (sparsekv's):
+            per row, the fraction of its pages that fills it; at least (sink_pages + window_pages + 1) * page_size.
         page_size: tokens per page (default 16, sparsekv's; 32 with `paper`, sec. 5.1).
         page_stride: tokens from a page's start to the next's, dividing `page_size` (default `page_size / 2`,
             sparsekv's: a span a page boundary would cut lies whole in some page; `page_size` with `paper`). The
@@ -90,7 +91,10 @@ class CHESSPress(Press):
 
     preset: str | None = None
     ratios: tuple[float, float, float] | None = None
-    budget_options: ClassVar[tuple[str, ...]] = ("preset", "ratios")
+    read_budget: int | None = None
+    # Tokens kept: CHESS keeps every token (`read_budget` is what a step reads; `budget=` is refused naming it).
+    budget: None = field(default=None, init=False, repr=False)
+    budget_options: ClassVar[tuple[str, ...]] = ("preset", "ratios", "read_budget")
     page_size: int | None = None  # 16, or 32 with `paper`
     page_stride: int | None = None  # page_size / 2, or page_size with `paper`
     chunk_pages: int = 4
@@ -121,9 +125,9 @@ class CHESSPress(Press):
         return (self.ratio ** (1 / 3),) * 3
 
     def retention_for(self, lengths: torch.Tensor, n_blocks: int) -> tuple:
-        """`retention`, or with `budget` per row `(batch,)`, the fractions that fill it (`budget_retention`), for
+        """`retention`, or with `read_budget` per row `(batch,)`, the fractions that fill it (`budget_retention`), for
         rows of `lengths` tokens on a grid of `n_blocks` blocks."""
-        return self.retention if self.budget is None else budget_retention(self, lengths, n_blocks)
+        return self.retention if self.read_budget is None else budget_retention(self, lengths, n_blocks)
 
     def new_layer(self, layer_idx: int) -> StoreLayer:
         return StoreLayer(records_tokens=True)  # every token stays in the store; attention reads a working set

@@ -20,11 +20,11 @@ def settle_options(press) -> None:
     for key, ours, papers in (("page_size", 16, 32), ("pooling", "max", "mean"), ("centre", True, False)):
         if getattr(press, key) is None:
             setattr(press, key, papers if press.paper else ours)
-    given = [k for k in ("preset", "ratios", "ratio", "budget") if getattr(press, k) is not None]
+    given = [k for k in ("preset", "ratios", "ratio", "read_budget") if getattr(press, k) is not None]
     if len(given) != 1:
         raise ValueError(f"{name}: give exactly one of preset ({', '.join(PRESETS)}), ratios=(rho_g, rho_c, "
-                         f"rho_p), ratio (fraction of pages selected, 0 < ratio <= 1) or budget (tokens a step "
-                         f"attends); got {' and '.join(given) if given else 'none'}.")
+                         f"rho_p), ratio (fraction of pages selected, 0 < ratio <= 1) or read_budget (tokens a "
+                         f"step attends); got {' and '.join(given) if given else 'none'}.")
     if press.preset is not None and press.preset not in PRESETS:
         raise ValueError(f"{name}: preset must be one of {', '.join(PRESETS)}; got {press.preset!r}.")
     if press.ratio is not None:
@@ -39,9 +39,9 @@ def settle_options(press) -> None:
     for key, low in (("page_size", 1), ("chunk_pages", 1), ("grid_chunks", 1), ("sink_pages", 0),
                      ("window_pages", 1)):
         setattr(press, key, check_number(name, key, getattr(press, key), integer=True, low=low))
-    if press.budget is not None:  # at least the pages always attended: sinks, window and the partial page
+    if press.read_budget is not None:  # at least the pages always attended: sinks, window and the partial page
         least = (press.sink_pages + press.window_pages + 1) * press.page_size
-        press.budget = check_number(name, "budget", press.budget, integer=True, low=least,
+        press.read_budget = check_number(name, "read_budget", press.read_budget, integer=True, low=least,
                                     unit=f"tokens a step attends; (sink_pages + window_pages + 1) * page_size = "
                                          f"{least} are always attended")
     if press.page_stride is None:

@@ -158,13 +158,13 @@ def read_stores(cache) -> None:
 
 
 def budget_retention(press, lengths: torch.Tensor, n_blocks: int) -> tuple:
-    """CHESS's `budget` as retention ratios per row `(batch,)`: the fraction of a row's candidate tokens that fills
-    the budget beside the tokens always attended (sink, window and partial pages), split evenly over the levels as
+    """CHESS's `read_budget` as retention ratios per row `(batch,)`: the fraction of a row's candidate tokens that
+    fills the budget beside the tokens always attended (sink, window and partial pages), split evenly over the levels as
     `ratio` is; 1 when everything fits. `n_blocks`: the grid's blocks (at least every row's)."""
     always, candidate = press.block_roles(lengths, n_blocks)
     start = torch.arange(n_blocks, device=lengths.device) * press.page_stride
     tokens = (lengths[:, None] - start).clamp(0, press.page_stride)  # (batch, blocks)
-    spare = (press.budget - (tokens * always).sum(-1)).clamp(min=1)
+    spare = (press.read_budget - (tokens * always).sum(-1)).clamp(min=1)
     fraction = (spare / (tokens * candidate).sum(-1).clamp(min=1)).clamp(max=1.0).double()
     return (fraction ** (1 / 3),) * 3
 

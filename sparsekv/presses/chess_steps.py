@@ -92,8 +92,8 @@ def most_selected(press, n_blocks: int) -> int:
     entries (a quantile), except entries tied at it, which `select_by` leaves out past this number."""
     stride, span = press.page_stride, press.span
     group = press.chunk_pages * press.grid_chunks  # pages per grid
-    if press.budget is not None:  # a fraction of the candidates' blocks that fills at most `budget` tokens
-        fits = -(-press.budget // stride) + 1
+    if press.read_budget is not None:  # a fraction of the candidates' blocks that fills at most read_budget tokens
+        fits = -(-press.read_budget // stride) + 1
         # Pages one after the other: each level's quantile keeps at most one entry more than its fraction, and
         # a kept grid or chunk brings all its children: at most 3 grids' and a chunk's pages beyond the budget.
         most = max(fits, span) + span if span > 1 else fits + 3 * group + press.chunk_pages + 1

@@ -74,7 +74,7 @@ class ChunkPress(SnapKVPress):
         return ChunkState(leader)
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        budgets = self.row_budgets(cache, *self.min_kept())
+        budgets = self.row_budgets(cache)
         if budgets is None:  # every prompt kept whole
             return
         state, i = cache.state, call.module.layer_idx

@@ -26,17 +26,26 @@ class H2OPress(Press):
     The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix), and a
     decoding step's from its query's projection, whatever the attention implementation.
 
+    A row never holds fewer than `window_size` tokens (the floor): a ratio's budget is raised to it, so a prompt
+    and its answer that fit in it (a chat turn of a few dozen tokens) are never evicted, and the output is the
+    model's own. The paper's caches are a fraction of sequences of hundreds of tokens and more; it sets no floor
+    (sparsekv's choice, as StreamingLLM's sinks and window).
+
     Args:
-        ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1], held while decoding; at least 1
-            token. 1.0 evicts nothing.
-        budget: tokens kept per sequence (heavy + recent): a shorter prompt is kept whole, and its row grows to
-            the budget while decoding before it evicts.
+        ratio: fraction of each prompt's KV kept (heavy + recent), in (0, 1], held while decoding; at least
+            `window_size` tokens. 1.0 evicts nothing.
+        budget: tokens kept per sequence (heavy + recent), at least `window_size`: a shorter prompt is kept whole,
+            and its row grows to the budget while decoding before it evicts.
         recent_ratio: share of the budget reserved for the most recent tokens (default 0.5: the paper's even
             heavy / recent split, sec. 5).
+        window_size: the most recent tokens always kept, in tokens, and so the fewest a row holds (default 64,
+            sparsekv's: a chat turn and its answer decode untouched); the recent window is `recent_ratio` of the
+            budget when that is larger.
         block_size: prompt queries scored at once at prefill (memory vs speed; not part of the method).
     """
 
     recent_ratio: float = 0.5
+    window_size: int = 64
     block_size: int = 256
     captures_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row
     joins_rows: ClassVar[bool] = True  # its scores follow their slots (`extra`)
@@ -48,6 +57,15 @@ class H2OPress(Press):
                                          unit="share of the budget")
         self.block_size = check_number("H2OPress", "block_size", self.block_size, integer=True, low=1,
                                        unit="queries")
+        self.window_size = check_number("H2OPress", "window_size", self.window_size, integer=True, low=1,
+                                        unit="recent tokens always kept")
+        if self.budget is not None and self.budget < self.window_size:
+            raise ValueError(f"H2OPress: budget={self.budget} must be at least window_size={self.window_size} (the "
+                             "recent tokens always kept); lower window_size to keep fewer.")
+
+    def min_kept(self) -> tuple[int, str]:
+        """The floor: the recent window, kept at every step."""
+        return self.window_size, f"window_size={self.window_size}"
 
     def holds_budget_while_decoding(self) -> bool:
         return self.ratio != 1.0  # (1.0 keeps everything, decoding included)
@@ -64,12 +82,14 @@ class H2OPress(Press):
         return (layer.extra["received"] / age).masked_fill_(age <= self.recent(cache, age.device), float("inf"))
 
     def recent(self, cache: SparseCache, device: torch.device) -> torch.Tensor:
-        """`(batch, 1, 1)` the size of each row's recent window, `recent_ratio` of its budget (rounded): the same
-        at every layer of a forward, so made at its first (`forward.plan`) and read by the others."""
+        """`(batch, 1, 1)` the size of each row's recent window, `recent_ratio` of its budget (rounded), at least
+        `window_size`: the same at every layer of a forward, so made at its first (`forward.plan`) and read by the
+        others."""
         plan = cache.forward.plan
         if plan is None or plan.device != device:  # (a model split over devices makes it anew on each)
             budgets = cache.on("budgets", device)
-            plan = cache.forward.plan = (budgets.double() * self.recent_ratio).round().long()[:, None, None]
+            recent = (budgets.double() * self.recent_ratio).round().long().clamp(min=self.window_size)
+            plan = cache.forward.plan = recent[:, None, None]
         return plan
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:

@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from ..log import logger
+from ..options import RENAMED
 from ..press import Press
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
@@ -114,7 +115,9 @@ def parse_spec(spec: str) -> tuple[type[Press], dict]:
                              f"got {option!r}.")
         if key not in fields or key == "tokenizer":
             known = ", ".join(k for k in fields if k != "tokenizer")
-            raise ValueError(f"{spec!r}: {cls.__name__} has no option {key!r}; its options: {known}.")
+            new, why = RENAMED.get(key, (None, ""))
+            hint = f"it is called {new} now{why}: {name}:{new}={value}; " if new in fields else ""
+            raise ValueError(f"{spec!r}: {cls.__name__} has no option {key!r}; {hint}its options: {known}.")
         options[key] = _typed(cls, key, value, hints.get(key, typing.Any))
     return cls, options
 
@@ -142,12 +145,12 @@ def resolved_options(spec: str, **options) -> str:
     these options cannot build (its run records the error): its declared defaults stand for it, the spec's
     options over them."""
     cls, parsed = parse_spec(spec)
-    values = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    values = {f.name: f.default for f in dataclasses.fields(cls) if f.init and f.default is not dataclasses.MISSING}
     values.update(_options(cls, parsed, options))
     if not needs_tokenizer(cls):
         try:
             press = _build(cls, spec, parsed, options, None)
-            values = {f.name: getattr(press, f.name) for f in dataclasses.fields(press)}
+            values = {f.name: getattr(press, f.name) for f in dataclasses.fields(press) if f.init}
         except ValueError:
             pass
     return ", ".join(f"{k}={v!r}" for k, v in values.items() if k != "tokenizer")
@@ -159,8 +162,12 @@ def _options(cls, parsed: dict, defaults: dict) -> dict:
     kept, so that one that gives two is refused as the class refuses it."""
     if any(key in parsed for key in ("ratio", "budget", *cls.budget_options)):
         defaults = {k: v for k, v in defaults.items() if k not in ("ratio", "budget")}
+    takes = {f.name for f in dataclasses.fields(cls) if f.init}
+    # A sweep's option under the name this press takes it by (a sweep's budget is CHESS's read_budget).
+    defaults = {RENAMED[k][0] if k in RENAMED and k not in takes and RENAMED[k][0] in takes else k: v
+                for k, v in defaults.items()}
     options = {**defaults, **parsed}
-    return {k: v for k, v in options.items() if v is not None or k not in ("ratio", "budget")}
+    return {k: v for k, v in options.items() if v is not None or k not in ("ratio", "budget", "read_budget")}
 
 
 def _build(cls, spec: str, parsed: dict, defaults: dict, tokenizer) -> Press:

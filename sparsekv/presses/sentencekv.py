@@ -154,7 +154,7 @@ class SentencePress(SnapKVPress):
             state.sentences = sentence_ids(self.tokenizer, state.prompt_ids, layer.valid, self.max_sentence_tokens)
             state.prompt_ids = None
         fixed = self.n_sinks + self.window_size
-        taus = self.row_budgets(cache, *self.min_kept(), beside=fixed)
+        taus = self.row_budgets(cache, beside=fixed)
         if taus is None:  # every prompt token would be attended anyway
             return
         b, h, n, _ = layer.keys.shape

@@ -23,23 +23,41 @@ class StreamingLLMPress(Press):
     (the paper's rolling KV cache, sec. 3.2). Scores depend on position only, so every layer and head holds the
     same positions: a decoding step finds its victim slots once, for all layers.
 
+    A row never holds fewer than the sinks and a recent window of `window_size` tokens (the floor): a ratio's
+    budget is raised to it, so a prompt and its answer that fit in it (a chat turn of a few dozen tokens) are never
+    evicted, and the output is the model's own. The paper's caches are sinks and a recent window of hundreds of
+    tokens and more, and it sets no floor for short prompts: sparsekv's choice, small enough that a ratio still
+    compresses prompts of a few hundred tokens.
+
     Args:
         ratio: fraction of each prompt's KV kept (sinks included), in (0, 1], held while decoding; at least
-            `n_sinks` + 1 tokens. 1.0 evicts nothing.
-        budget: tokens kept per sequence (sinks included): a shorter prompt is kept whole, and its row grows to
-            the budget while decoding before it rolls.
+            `n_sinks + window_size` tokens. 1.0 evicts nothing.
+        budget: tokens kept per sequence (sinks included), at least `n_sinks + window_size`: a shorter prompt is
+            kept whole, and its row grows to the budget while decoding before it rolls.
         n_sinks: attention-sink tokens always kept (default 4, paper sec. 3.2).
+        window_size: the most recent tokens always kept, in tokens (default 60, sparsekv's: with the sinks, a
+            floor of 64 tokens, under which a chat turn and its answer decode untouched); the window is the budget
+            less the sinks when that is larger.
     """
 
     n_sinks: int = 4
+    window_size: int = 60
     joins_rows: ClassVar[bool] = True  # positions are all it reads, and they follow their slots
     compiled_decoding: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()
         self.n_sinks = check_number("StreamingLLMPress", "n_sinks", self.n_sinks, integer=True, low=0, unit="tokens")
-        if self.budget is not None and self.budget <= self.n_sinks:
-            raise ValueError(f"StreamingLLMPress: budget={self.budget} must exceed n_sinks={self.n_sinks}.")
+        self.window_size = check_number("StreamingLLMPress", "window_size", self.window_size, integer=True, low=1,
+                                        unit="recent tokens always kept")
+        least, what = self.min_kept()
+        if self.budget is not None and self.budget < least:
+            raise ValueError(f"StreamingLLMPress: budget={self.budget} must be at least {what} = {least} (the "
+                             "tokens always kept); lower window_size or n_sinks to keep fewer.")
+
+    def min_kept(self) -> tuple[int, str]:
+        """The floor: the sinks and the recent window."""
+        return self.n_sinks + self.window_size, f"n_sinks={self.n_sinks} + window_size={self.window_size}"
 
     def prompt_tail(self) -> int | None:
         return 0  # positions only
@@ -54,7 +72,7 @@ class StreamingLLMPress(Press):
         return layer.positions.float().masked_fill(sink, float("inf"))
 
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        budgets = self.row_budgets(cache, self.n_sinks + 1, f"n_sinks={self.n_sinks} plus 1 recent token")
+        budgets = self.row_budgets(cache)
         if budgets is not None:
             layer.keep(self.recency(cache, layer).masked_fill(~layer.valid[:, None, :], float("-inf")), budgets)
 
