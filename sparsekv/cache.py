@@ -26,6 +26,7 @@ Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batc
 from __future__ import annotations
 
 import copy
+import io
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -160,6 +161,21 @@ class SparseCache(RowState, Cache):
         for name, value in self.__dict__.items():
             setattr(clone, name, copy.deepcopy(value, memo))
         return clone
+
+    def __copy__(self):
+        """A shallow copy, as for any object (pickling goes through `torch.save`, below)."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
+    def __reduce_ex__(self, protocol):
+        """Pickled through `torch.save`, which keeps tensors that share memory sharing it: a layer's tensors are
+        views of buffers with room behind them, and an evicting layer's step writes through views of its own
+        buffers (`sparsekv.buffers`). Plain pickle saves each view as a copy of its own, so a loaded cache's writes
+        would miss the tensors attention reads, and it would continue with other tokens than the original."""
+        data = io.BytesIO()
+        torch.save(self.__dict__, data)
+        return _load_cache, (type(self), data.getvalue())
 
     @classmethod
     def join(cls, caches: list[SparseCache], consume: bool = False) -> SparseCache:
@@ -394,3 +410,10 @@ def clock() -> float | None:
     """Now, to time press work (`SparseCache.seconds`); None inside a compiled forward, whose press work is not
     timed: the clock is not traced (a graph break at every layer), and a compiled graph runs as one piece."""
     return None if torch.compiler.is_compiling() else time.perf_counter()
+
+
+def _load_cache(cls: type, data: bytes) -> SparseCache:
+    """A cache pickled by `SparseCache.__reduce_ex__` (what pickle and `torch.load` call to load one)."""
+    cache = object.__new__(cls)
+    cache.__dict__.update(torch.load(io.BytesIO(data), weights_only=False))
+    return cache

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import logging
+import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
@@ -360,6 +362,28 @@ def test_batch_select_and_repeat_follow_every_row(press_cls):
                       cache=doubled).logits[:, -1]
     torch.testing.assert_close(alone[0], both[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again, torch.cat([alone, alone]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("save", ["pickle", "torch.save"])
+def test_a_saved_cache_continues_as_the_original(press_cls, save):
+    """A left-padded batch decoded past its budget (H2O and StreamingLLM evicting at every step), saved, loaded
+    and continued: the tokens the original cache continues with. (Plain pickle saved the views an evicting
+    layer's steps write through as copies of their own: the loaded cache decoded other tokens.)"""
+    model = make_model("llama")
+    ids, mask = padded_batch()
+    with tiny_press(press_cls)(model):
+        out = greedy(model, ids, mask, new=20, return_dict_in_generate=True)
+        seq, mask = out.sequences, torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], 1)
+        if save == "pickle":
+            loaded = pickle.loads(pickle.dumps(out.cache))
+        else:
+            data = io.BytesIO()
+            torch.save(out.cache, data)
+            loaded = torch.load(io.BytesIO(data.getvalue()), weights_only=False)
+        again = greedy(model, seq, mask, new=8, cache=loaded)
+        original = greedy(model, seq, mask, new=8, cache=out.cache)
+    assert torch.equal(again, original)
 
 
 def test_state_that_is_not_batch_first_is_named():
