@@ -225,6 +225,11 @@ class SparseCache(RowState, Cache):
             real = valid if valid is not None else torch.ones(batch, q_len, dtype=torch.bool)
             lengths = real.sum(-1).cpu()
             self.prompt_lengths = lengths if first else self.prompt_lengths + lengths
+            if not pieces_left and bool((self.prompt_lengths == 0).any()):
+                row = int((self.prompt_lengths == 0).int().argmax())
+                raise ValueError(f"attention_mask: row {row} of the batch is only padding (no real token); a press "
+                                 "keeps a budget of each row's real tokens: drop the row from the batch, or give it "
+                                 "at least one token.")
             if self.pieces is not None:
                 self.pieces.read(real)
             seen = self.pieces.length if self.pieces is not None else q_len

@@ -178,6 +178,11 @@ def prefill_rows(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         raise ValueError(f"rows_at_once: an integer >= 1 (rows prefilled together); got {rows_at_once!r}.")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    short = attention_mask[:, :-1].sum(-1) == 0
+    if bool(short.any()):
+        raise ValueError(f"attention_mask: row {int(short.int().argmax())} has fewer than 2 real tokens, and "
+                         "prefill_rows holds every prompt token but the last: drop the row, or prefill the batch "
+                         "together (generate it without a cache).")
     caches, positions = [], prompt_positions(attention_mask[:, :-1])
     for start in range(0, input_ids.shape[0], rows_at_once):
         rows = slice(start, start + rows_at_once)

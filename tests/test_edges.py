@@ -13,6 +13,7 @@ from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 from test_core import hook_count, left_padded
 from test_generate_modes import PRESSES, acts_while_decoding, tiny_press
 
+import sparsekv
 import sparsekv.log
 from sparsekv import (
     CHESSPress,
@@ -177,6 +178,22 @@ def test_right_padding_is_refused_naming_the_fix(press_cls):
                                                                       r"token .*tokenizer.padding_side = \"left\""):
         greedy(model, ids, mask, new=3)
     assert hook_count(model) == hooks
+
+
+@pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
+def test_a_row_of_only_padding_is_refused_naming_the_row(press_cls):
+    """A row with no real token has no budget to keep: refused at the door, naming the row, whether the batch is
+    prefilled together, in pieces, or a row at a time (there a row needs a real token before its last)."""
+    model = make_model("llama")
+    ids, mask = left_padded((40, 1, 32), 40)
+    with tiny_press(press_cls)(model):
+        for kwargs in ({}, {"prefill_chunk_size": 16}):
+            masked = mask.clone()
+            masked[1] = 0
+            with pytest.raises(ValueError, match=r"row 1 of the batch is only padding \(no real token\)"):
+                greedy(model, ids, masked, new=3, **kwargs)
+        with pytest.raises(ValueError, match=r"row 1 has fewer than 2 real tokens, and prefill_rows holds"):
+            sparsekv.prefill_rows(model, ids, mask)
 
 
 # --- a cache under another press, threads -----------------------------------------------------------------------------
