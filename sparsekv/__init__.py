@@ -29,7 +29,8 @@ _WHERE = {
     "SparseKVPipeline": ".pipeline", "prefill_rows": ".prefill", "Press": ".press", "ScorerPress": ".press",
     "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses", "ChunkPress": ".presses",
     "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses", "SnapKVPress": ".presses",
-    "StreamingLLMPress": ".presses", "make_press": ".presses", "registered": ".presses",
+    "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses", "TOVAPress": ".presses",
+    "make_press": ".presses", "registered": ".presses",
 }
 __all__ = sorted(_WHERE)
 
@@ -59,10 +60,13 @@ if TYPE_CHECKING:  # what type checkers and editors see
         ChunkKVPress,
         ChunkPress,
         H2OPress,
+        KeyDiffPress,
+        KnormPress,
         SentenceKVPress,
         SentencePress,
         SnapKVPress,
         StreamingLLMPress,
+        TOVAPress,
         make_press,
         registered,
     )

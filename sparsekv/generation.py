@@ -12,7 +12,8 @@ from transformers import DynamicCache
 
 from .cache import SparseCache
 
-COMPILING = "StreamingLLM's, H2O's, SnapKV's, ChunkKV's and CHESS's"  # the presses whose decoding steps compile
+# The presses whose decoding steps compile.
+COMPILING = "StreamingLLM's, H2O's, SnapKV's, ChunkKV's, CHESS's, Knorm's, KeyDiff's and TOVA's"
 
 
 def prefill_locals() -> dict:

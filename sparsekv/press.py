@@ -11,6 +11,7 @@ declares to the driver, and the helpers presses call.
 
 from __future__ import annotations
 
+import re
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -199,6 +200,16 @@ class Press:
         the press's state. The default keeps it: right for state indexed by prompt slot or by row."""
 
     # --- helpers for presses ------------------------------------------------------------------------------------
+    def check_floor(self) -> None:
+        """Refuse a `budget` below the press's floor (`min_kept`), naming the options that set it: called at the
+        end of a press's `__post_init__`, once its own options are checked."""
+        least, what = self.min_kept()
+        if self.budget is not None and self.budget < least:
+            shown = what if what.endswith(f"={least}") else f"{what} = {least}"
+            options = " or ".join(re.findall(r"(\w+)=", what))
+            raise ValueError(f"{type(self).__name__}: budget={self.budget} must be at least {shown} (the tokens it "
+                             f"always keeps); lower {options} to keep fewer.")
+
     def row_budgets(self, cache: SparseCache, beside: int = 0) -> torch.Tensor | None:
         """Tokens each row keeps, `(batch,)`, set once per generation on the cache: `budget`, or `ratio` of the
         row's prompt (rounded), and never fewer than the tokens the press always keeps (`min_kept`). None when

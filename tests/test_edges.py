@@ -26,7 +26,7 @@ from sparsekv import (
 )
 from sparsekv.presses.chess import top_fraction
 
-EVICTING = (H2OPress, StreamingLLMPress)  # hold their budget while decoding
+EVICTING = tuple(c for c in PRESSES if tiny_press(c).holds_budget_while_decoding())  # H2O, StreamingLLM, TOVA
 
 
 @pytest.fixture

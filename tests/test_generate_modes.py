@@ -32,7 +32,8 @@ def registered_presses() -> list[type[Press]]:
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if cls.__module__.startswith("sparsekv.") and cls not in (Press, ScorerPress) and cls not in found:
+        base = cls in (Press, ScorerPress) or issubclass(cls, ScorerPress) and cls.score is ScorerPress.score
+        if cls.__module__.startswith("sparsekv.") and not base and cls not in found:
             found.append(cls)
     return sorted(found, key=lambda c: c.__name__)
 
@@ -46,7 +47,7 @@ class SentencePressRankedPerLayer(SentencePress):
 
 PRESSES = registered_presses() + [SentencePressRankedPerLayer]
 # Options sized for 64-token prompts, applied where a press has the field; CHESS re-selects at every step.
-TINY = {"window_size": 8, "chunk_size": 4, "page_size": 8, "n_sinks": 4, "reselect": "always"}
+TINY = {"window_size": 8, "min_budget": 8, "chunk_size": 4, "page_size": 8, "n_sinks": 4, "reselect": "always"}
 ARCHS = ("llama", "qwen3", "phi3", "gemma3")
 
 

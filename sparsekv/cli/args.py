@@ -10,7 +10,7 @@ from typing import Callable
 
 # The built-in presses (`sparsekv.presses.registry.BUILT_IN`), the local tasks (`sparsekv.evaluation.TASKS`) and
 # the dtypes of `sparsekv.models.placement`, as the help lists them.
-PRESS_NAMES = ("snapkv", "h2o", "streamingllm", "chunkkv", "sentencekv", "chess")
+PRESS_NAMES = ("snapkv", "h2o", "streamingllm", "chunkkv", "sentencekv", "chess", "knorm", "keydiff", "tova")
 TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
               "common_words", "frequent_words", "passkey", "prose_number", "prose_code", "prose_name",
               "prose_multikey")

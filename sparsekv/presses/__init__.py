@@ -3,15 +3,18 @@
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
 from .h2o import H2OPress
+from .keydiff import KeyDiffPress
+from .knorm import KnormPress
 from .registry import make_press, press_class, registered
 from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
+from .tova import TOVAPress
 
 ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress
 
 __all__ = [
-    "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "SentenceKVPress", "SentencePress", "SnapKVPress",
-    "StreamingLLMPress", "make_press", "press_class", "registered",
+    "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "KeyDiffPress", "KnormPress", "SentenceKVPress",
+    "SentencePress", "SnapKVPress", "StreamingLLMPress", "TOVAPress", "make_press", "press_class", "registered",
 ]

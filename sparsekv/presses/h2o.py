@@ -59,9 +59,7 @@ class H2OPress(Press):
                                        unit="queries")
         self.window_size = check_number("H2OPress", "window_size", self.window_size, integer=True, low=1,
                                         unit="recent tokens always kept")
-        if self.budget is not None and self.budget < self.window_size:
-            raise ValueError(f"H2OPress: budget={self.budget} must be at least window_size={self.window_size} (the "
-                             "recent tokens always kept); lower window_size to keep fewer.")
+        self.check_floor()
 
     def min_kept(self) -> tuple[int, str]:
         """The floor: the recent window, kept at every step."""

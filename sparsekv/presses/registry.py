@@ -24,9 +24,12 @@ from ..press import Press
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
 from .h2o import H2OPress
+from .keydiff import KeyDiffPress
+from .knorm import KnormPress
 from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
+from .tova import TOVAPress
 
 ENTRY_POINT_GROUP = "sparsekv.presses"
 BUILT_IN: dict[str, type[Press]] = {
@@ -36,6 +39,9 @@ BUILT_IN: dict[str, type[Press]] = {
     "chunkkv": ChunkPress,
     "sentencekv": SentencePress,
     "chess": CHESSPress,
+    "knorm": KnormPress,
+    "keydiff": KeyDiffPress,
+    "tova": TOVAPress,
 }
 
 

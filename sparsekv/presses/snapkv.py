@@ -53,10 +53,7 @@ class SnapKVPress(ScorerPress):
                              f"{self.kernel_size}.")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"{name}: pooling must be 'max' or 'avg'; got {self.pooling!r}.")
-        minimum, what = self.min_kept()
-        if self.budget is not None and self.budget < minimum:
-            raise ValueError(f"{type(self).__name__}: budget={self.budget} must be at least {what} (kept within "
-                             "the budget).")
+        self.check_floor()
 
     def min_kept(self) -> tuple[int, str]:
         return self.window_size, f"window_size={self.window_size}"

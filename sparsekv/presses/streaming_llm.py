@@ -50,10 +50,7 @@ class StreamingLLMPress(Press):
         self.n_sinks = check_number("StreamingLLMPress", "n_sinks", self.n_sinks, integer=True, low=0, unit="tokens")
         self.window_size = check_number("StreamingLLMPress", "window_size", self.window_size, integer=True, low=1,
                                         unit="recent tokens always kept")
-        least, what = self.min_kept()
-        if self.budget is not None and self.budget < least:
-            raise ValueError(f"StreamingLLMPress: budget={self.budget} must be at least {what} = {least} (the "
-                             "tokens always kept); lower window_size or n_sinks to keep fewer.")
+        self.check_floor()
 
     def min_kept(self) -> tuple[int, str]:
         """The floor: the sinks and the recent window."""
