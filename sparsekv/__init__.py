@@ -25,12 +25,12 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 # Public name -> the module that defines it.
 _WHERE = {
-    "CacheStats": ".stats", "Forward": ".cache", "KVLayer": ".layers", "SparseCache": ".cache", "StoreLayer": ".store",
-    "SparseKVPipeline": ".pipeline", "prefill_rows": ".prefill", "Press": ".press", "ScorerPress": ".press",
-    "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses", "ChunkPress": ".presses",
-    "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses", "SnapKVPress": ".presses",
-    "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses", "TOVAPress": ".presses",
-    "make_press": ".presses", "registered": ".presses",
+    "CacheStats": ".stats", "Forward": ".forward", "KVLayer": ".layers", "SparseCache": ".cache",
+    "StoreLayer": ".store", "SparseKVPipeline": ".pipeline", "prefill_rows": ".prefill", "Press": ".press",
+    "ScorerPress": ".press", "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses",
+    "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
+    "SnapKVPress": ".presses", "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses",
+    "TOVAPress": ".presses", "make_press": ".presses", "registered": ".presses",
 }
 __all__ = sorted(_WHERE)
 
@@ -50,7 +50,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see
-    from .cache import Forward, SparseCache
+    from .cache import SparseCache
+    from .forward import Forward
     from .layers import KVLayer
     from .pipeline import SparseKVPipeline
     from .prefill import prefill_rows

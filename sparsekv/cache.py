@@ -29,7 +29,6 @@ import copy
 import io
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 import torch
@@ -38,6 +37,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
 from .attention import AttentionCall
 from .buffers import step_state
+from .forward import Forward
 from .join import join_caches
 from .layers import KVLayer
 from .masks import check_left_padded, padding_mask, physical_mask
@@ -47,43 +47,6 @@ from .stats import CacheStats, cache_stats, prompt_kept
 
 # `before_layer`'s answer when the layer keeps transformers' mask (its layout is the logical one).
 KEEP_MASK = object()
-
-
-@dataclass
-class Forward:
-    """What the layers of one model forward share, from `begin_forward` to `end_forward`.
-
-    Attributes:
-        input_ids: the forward's token ids `(batch, q)`, None when the model gets embeddings.
-        input_valid: `(batch, q)` which input tokens are real; None when all are (the common, fast case).
-        q_len: tokens in this forward.
-        first: the cache's first forward (it holds nothing before this one's tokens): the prompt, or its first
-            piece.
-        calls: per layer index, the attention call under way (from `before_layer` to `after_layer`).
-        plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g.
-            SentenceKV's sentence-closing flags) or by the first layer that needs it; None when it has none. Gone
-            with the forward.
-        victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer when a
-            press's scores are the same in every layer (`Press.hold_budget`, `shared_by_layers`).
-        continues_prompt: several new tokens after the first forward that are not a draft being verified: a
-            prompt continued (generate on a cache that holds part of its input, a question asked of a
-            compressed context, a caller's own multi-token forward).
-        own_masks: every layer gets the mask of its own layout (`masks.physical_mask`), not the forward's: a
-            forward of several tokens after the first, whose mask came built for the layout before the forward
-            began (generate's 4D masks for a compiled cache), which a press may change then (CHESS reads its
-            stores for a continued prompt).
-    """
-
-    input_ids: torch.Tensor | None
-    input_valid: torch.Tensor | None
-    q_len: int
-    first: bool = False
-    continues_prompt: bool = False
-    own_masks: bool = False
-    calls: dict[int, AttentionCall] = field(default_factory=dict)
-    plan: Any = None
-    victims: torch.Tensor | None = None
-    pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
 
 
 class SparseCache(RowState, Cache):
@@ -225,11 +188,11 @@ class SparseCache(RowState, Cache):
             real = valid if valid is not None else torch.ones(batch, q_len, dtype=torch.bool)
             lengths = real.sum(-1).cpu()
             self.prompt_lengths = lengths if first else self.prompt_lengths + lengths
-            if not pieces_left and bool((self.prompt_lengths == 0).any()):
-                row = int((self.prompt_lengths == 0).int().argmax())
-                raise ValueError(f"attention_mask: row {row} of the batch is only padding (no real token); a press "
-                                 "keeps a budget of each row's real tokens: drop the row from the batch, or give it "
-                                 "at least one token.")
+            empty = self.prompt_lengths == 0
+            if not pieces_left and bool(empty.any()):
+                raise ValueError(f"attention_mask: row {int(empty.int().argmax())} of the batch is only padding (no "
+                                 "real token); a press keeps a budget of each row's real tokens: drop the row from the "
+                                 "batch, or give it at least one token.")
             if self.pieces is not None:
                 self.pieces.read(real)
             seen = self.pieces.length if self.pieces is not None else q_len
