@@ -176,7 +176,7 @@ class SparseCache(RowState, Cache):
                 f"cache: it holds {self.prompt_lengths.shape[0]} rows and this forward has {batch}. generate expands "
                 "its inputs for num_beams or num_return_sequences, not a cache given to it: expand that cache the "
                 "same way first (`cache.batch_repeat_interleave(n)`).")
-        self.forward = Forward(input_ids, valid, q_len, first=first, pieces_left=pieces_left,
+        self.forward = Forward(input_ids, valid, q_len, first=first, draft=draft, pieces_left=pieces_left,
                                continues_prompt=not first and not piece and q_len > 1 and not draft,
                                own_masks=unreadable and not first and q_len > 1)
         if self.compiled and not torch.compiler.is_compiling():  # eager code reads the count at every layer

@@ -27,6 +27,8 @@ class Forward:
             with the forward.
         victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer when a
             press's scores are the same in every layer (`Press.hold_budget`, `shared_by_layers`).
+        draft: the forward's tokens are a draft being verified (assisted decoding, prompt lookup), which a crop may
+            take back.
         continues_prompt: several new tokens after the first forward that are not a draft being verified: a
             prompt continued (generate on a cache that holds part of its input, a question asked of a
             compressed context, a caller's own multi-token forward).
@@ -40,6 +42,7 @@ class Forward:
     input_valid: torch.Tensor | None
     q_len: int
     first: bool = False
+    draft: bool = False
     continues_prompt: bool = False
     own_masks: bool = False
     calls: dict[int, AttentionCall] = field(default_factory=dict)

@@ -185,23 +185,29 @@ class KVLayer(RowState, CacheLayerMixin):
         self.compressed = True
         self._views = None  # (they view the tensors replaced)
 
-    def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int) -> None:
+    def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int, keep_new: bool = False
+                    ) -> None:
         """Evict the lowest-`scores` `(batch, heads, slots)` real tokens until each row holds no more than its
         budget (`budgets` `(batch,)`, `largest` their maximum).
 
-        One token over (a decoding step) is one eviction per row and head (`evict`); more (a continued prompt, a
-        draft of assisted decoding) a gather, which never evicts the last forward's own tokens when they fit the
-        budget, so that a rejected draft can be cropped from every head.
+        One token over is one eviction per row and head (`evict`); more a gather (`keep`). The gather never evicts
+        the last forward's own tokens when they fit the budget, nor does the eviction with `keep_new` (the forward
+        is a draft being verified, or several tokens): a rejected draft can then be cropped from every head. A
+        decoding step's token is scored as any other (and nothing is read on the host for it).
         """
         if self.slots <= largest:
             return
         budgets = budgets.to(self.device)
         if self.slots == largest + 1:
-            self.evict(self.victims(scores, budgets))
+            self.evict(self.victims(self._own_tokens_kept(scores, budgets) if keep_new else scores, budgets))
             return
+        self.keep(self._own_tokens_kept(scores, budgets).masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
+
+    def _own_tokens_kept(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """`scores` with the last forward's own tokens never evicted, when they fit every row's budget."""
         if self.new_tokens <= int(budgets.min()):
-            scores = scores.masked_fill(self.positions >= self.logical_len - self.new_tokens, float("inf"))
-        self.keep(scores.masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
+            return scores.masked_fill(self.positions >= self.logical_len - self.new_tokens, float("inf"))
+        return scores
 
     def make_step_room(self, free: int = 0) -> None:
         """Hold the slots in buffers with `free` more free slots (fillers: invalid, never attended) and one for a

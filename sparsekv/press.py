@@ -256,7 +256,9 @@ class Press:
                     shared_by_layers: bool = False) -> None:
         """Evict the lowest-`scores` `(batch, heads, slots)` real tokens of `layer` until each row is back within
         its budget (`KVLayer.hold_budget`): one per row and head after a decoding step's token. `scores` may be a
-        function that returns them: it is called only when they are needed (not on a layer within its budget).
+        function that returns them: it is called only when they are needed (not on a layer within its budget). The
+        tokens of a draft being verified, or of a forward of several, are never evicted while they fit the budget:
+        a rejected draft can be cropped.
 
         `shared_by_layers`: the scores depend on position alone and every layer holds the same positions in the
         same slots (StreamingLLM's), so a decoding step's victims are found at its first layer and serve every
@@ -266,13 +268,14 @@ class Press:
         if layer.slots <= largest:  # every row within its budget
             return
         score = scores if callable(scores) else lambda: scores
-        if shared_by_layers and forward.q_len == 1 and layer.slots == largest + 1:
+        if shared_by_layers and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
             if forward.victims is None:
                 forward.victims = layer.victims(score(), cache.on("budgets", layer.device))
             victims = forward.victims
             layer.evict(victims if victims.device == layer.device else victims.to(layer.device))  # (a split model)
         else:
-            layer.hold_budget(score(), cache.on("budgets", layer.device), largest)
+            layer.hold_budget(score(), cache.on("budgets", layer.device), largest,
+                              keep_new=forward.q_len > 1 or forward.draft)
 
 
 @dataclass

@@ -44,8 +44,4 @@ class TOVAPress(FlooredScorerPress):
             q_len = cache.forward.q_len  # the forward's last query sees every slot held (a draft: its last token)
             visible = None if q_len == 1 and layer.all_valid else layer.valid[:, None, :]
             probs = call.probs(layer.keys, visible, q_len - 1, q_len).mean(dim=(1, 2, 3))
-            # The forward's own tokens, its last slots, stay: a draft's may be cropped. (The paper may evict the
-            # newest token; its query attends itself most, so it hardly ever does.)
-            newest = torch.arange(probs.shape[-1], device=probs.device) >= probs.shape[-1] - q_len
-            scores = probs.masked_fill(newest, float("inf"))[:, None].expand(-1, layer.keys.shape[1], -1)
-            self.hold_budget(cache, layer, scores)
+            self.hold_budget(cache, layer, probs[:, None].expand(-1, layer.keys.shape[1], -1))
