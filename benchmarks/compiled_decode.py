@@ -2,14 +2,12 @@
 and for the oracle, timed inside `generate` itself.
 
 The oracle is the full model on the prompt's last `ratio * length` tokens: eager with transformers' dynamic
-cache, compiled with its static cache (what transformers compiles). A press runs on a cache it made, compiled on
-one made `press.make_cache(model, compiled=True, max_new_tokens=--new)` (generate compiles over a cache it is
-given). Every
-configuration generates `--new` tokens from the same random prompt, `--repeats` times, the configurations
-interleaved so that they share the machine's load of the moment; a step is the interval between two tokens as a
-streamer receives them (the device synchronised), and the first `--warmup` steps are left out: a compiled
-generation traces and records there. A compiled configuration's compile time is its first generation's time
-beyond its median generation's.
+cache, compiled with its static cache (what transformers compiles). A press runs on the cache it makes, compiled
+made with `compile=True` (generate then makes it with room for `--new` tokens). Every configuration generates
+`--new` tokens from the same random prompt, `--repeats` times, the configurations interleaved so that they share
+the machine's load of the moment; a step is the interval between two tokens as a streamer receives them (the
+device synchronised), and the first `--warmup` steps are left out: a compiled generation traces and records
+there. A compiled configuration's compile time is its first generation's time beyond its median generation's.
 
     python -m benchmarks.compiled_decode --shape host-bound --length 2048 --presses streamingllm,h2o,snapkv,chunkkv
     python -m benchmarks.compiled_decode --model smollm2-135m --length 4096 --presses streamingllm,h2o,snapkv,chunkkv
@@ -83,12 +81,9 @@ def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new
             config),
     }
     for spec in specs:
-        press = make_press(spec, ratio=ratio)
-
-        def run(press=press, compiled=False):
-            with press(model):
-                cache = press.make_cache(model, compiled, max_new_tokens=new if compiled else None)
-                return generation(model, ids, new, cache, config if compiled else None)
+        def run(spec=spec, compiled=False):
+            with make_press(spec, ratio=ratio, compile=compiled)(model):  # compile: generate sizes the cache
+                return generation(model, ids, new, None, config if compiled else None)
 
         runs[f"{spec} eager"] = run
         runs[f"{spec} compiled"] = lambda run=run: run(compiled=True)

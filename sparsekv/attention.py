@@ -28,6 +28,15 @@ def query_projection(module) -> torch.nn.Module | None:
     return getattr(module, "q_proj", None) or getattr(module, "qkv_proj", None)
 
 
+def query_groups(module) -> int:
+    """Query heads per KV head (GQA): the module's `num_key_value_groups`, else from its config."""
+    groups = getattr(module, "num_key_value_groups", None)
+    if groups is None:
+        config = module.config
+        groups = config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads)
+    return groups
+
+
 def project_queries(module, hidden_states: torch.Tensor, position_embeddings, grouped: bool = False) -> torch.Tensor:
     """Queries `(batch, heads, tokens, head_dim)` of `hidden_states`, normed and rotated as the module does.
 
@@ -80,7 +89,7 @@ def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: tor
     """Softmax attention `(batch, kv_heads, group, q, k)` in float32, query heads grouped by their KV head.
 
     `queries` are already multiplied by the module's scaling (`AttentionCall.queries(scaled=True)`).
-    `mask` is boolean, broadcastable to `(batch, 1, 1, q, k - mask_from)`, True where attention is allowed, over
+    `mask` is boolean, broadcastable to `(batch, kv_heads, 1, q, k - mask_from)`, True where attention is allowed, over
     the keys from `mask_from` on: every query sees the keys before (a block of prompt queries without padding
     masks only its own keys, one pass over the block's logits fewer). None: every query sees every key (a
     decoding step on a cache of real tokens: no mask to build, nothing to check).
@@ -185,12 +194,13 @@ class AttentionCall:
     def probs(self, keys: torch.Tensor, mask: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Attention of input queries `start:end` over `keys`, `(batch, kv_heads, group, q, k)`.
 
-        `mask` `(batch, q, k)` says which keys each query may see; padding queries get zero rows. None: every
-        query sees every key.
+        `mask` `(batch, q, k)`, or per KV head `(batch, kv_heads, q, k)`, says which keys each query may see;
+        padding queries get zero rows. None: every query sees every key.
         """
         queries = self.queries(start, end, scaled=True)
+        if mask is not None:  # (batch, kv_heads or 1, group, q, k)
+            mask = mask[:, :, None] if mask.dim() == 4 else mask[:, None, None]
         if self.input_valid is None:  # every query is real (a decoding step's always): the mask as given
-            return attention_probs(self.module, queries, keys, None if mask is None else mask[:, None, None])
-        valid = self.valid()[:, start:end, None]  # (batch, q, 1): broadcast over the keys
-        mask = valid if mask is None else mask & valid
-        return attention_probs(self.module, queries, keys, mask[:, None, None])
+            return attention_probs(self.module, queries, keys, mask)
+        valid = self.valid()[:, None, None, start:end, None]  # broadcast over heads and keys
+        return attention_probs(self.module, queries, keys, valid if mask is None else mask & valid)

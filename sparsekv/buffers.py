@@ -14,7 +14,7 @@ GROW = 32
 
 
 def slot_dim(t: torch.Tensor) -> int:
-    """The slot dimension of a layer's tensor: (batch, heads, slots[, head_dim]), or (batch, slots) for `valid`."""
+    """The slot dimension of a layer's per-slot tensor, `(batch, heads, slots[, head_dim])`."""
     return min(t.dim() - 1, 2)
 
 

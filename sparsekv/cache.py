@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
-from .attention import AttentionCall
+from .attention import AttentionCall, query_groups
 from .buffers import step_state
 from .forward import Forward
 from .join import join_caches
@@ -162,7 +162,7 @@ class SparseCache(RowState, Cache):
             raise ValueError("attention_mask: a compiled cache's batch cannot be continued with several tokens a row "
                              "(generate gives it a 4D mask, in which their padding cannot be read); continue it one "
                              "row at a time (`cache.batch_select_indices`), or use a cache made without compiled.")
-        attention_mask = padding_mask(attention_mask, first)
+        attention_mask = padding_mask(attention_mask, first, q_len)
         if attention_mask is not None:
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
@@ -226,7 +226,9 @@ class SparseCache(RowState, Cache):
         new_valid = forward.input_valid
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
-        return physical_mask(layer.past_valid(), new_valid, module.config._attn_implementation, hidden.dtype)
+        past = layer.past_valid()
+        return physical_mask(past[:, 0] if layer.heads_agree else past, new_valid, module.config._attn_implementation,
+                             hidden.dtype, query_groups(module))
 
     def after_queries(self, layer_idx: int, projected: torch.Tensor) -> None:
         """The layer's query projection ran: presses that read a step's queries get them (`on_queries`)."""

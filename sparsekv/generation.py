@@ -6,9 +6,10 @@ it."""
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache, StaticCache
 
 from .cache import SparseCache
 
@@ -40,8 +41,9 @@ def eager_notice(press, prefill: dict, cache: SparseCache) -> str | None:
     if not press.compiled_decoding:
         return (f"sparsekv: generate was given a compile_config and decodes eagerly: {name}'s decoding steps do not "
                 f"compile yet ({COMPILING} do).")
-    return (f"sparsekv: generate was given a compile_config and decodes eagerly: it compiles over a cache made for "
-            f"it only; pass `cache=press.make_cache(model, compiled=True, max_new_tokens=...)` under {name}.")
+    return (f"sparsekv: generate was given a compile_config and decodes eagerly: under a press it compiles when the "
+            f"press says so, `{name}(..., compile=True)` (or over a cache made for it, "
+            "`press.make_cache(model, compiled=True, max_new_tokens=...)`).")
 
 
 def pieces_after(press, prefill: dict) -> int:
@@ -114,6 +116,49 @@ def fresh_default(cache) -> bool:
     """The empty `DynamicCache` generate makes when no cache was asked for: a `SparseCache` takes its place."""
     return (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
             and not getattr(cache, "offloading", False) and cache.get_seq_length() == 0)
+
+
+def fresh_static(cache) -> bool:
+    """The empty `StaticCache` generate makes in a block whose press compiles (`compile_in_block`), which a
+    compiled `SparseCache` takes the place of: its length, the prompt's and `max_new_tokens`, gives the room."""
+    return (type(cache) is StaticCache and not getattr(cache, "_is_user_defined", False)
+            and not getattr(cache, "offloading", False) and cache.get_seq_length() == 0)
+
+
+def static_length(cache) -> int:
+    """The tokens a `StaticCache` holds, prompt and new ones: its longest layer's."""
+    return max(layer.max_cache_len for layer in cache.layers)
+
+
+def prompt_columns(mask, q: int):
+    """A prompt's 4D masks `(batch, 1, q, kv)` that generate built for its static cache (`fresh_static`), whose
+    keys are the cache's every slot: cut to the prompt's `q` keys, the keys of the cache that replaces it. A 2D
+    mask (or none) as it is."""
+    if isinstance(mask, dict):
+        return {kind: prompt_columns(m, q) for kind, m in mask.items()}
+    return mask[..., :q] if isinstance(mask, torch.Tensor) and mask.ndim == 4 else mask
+
+
+def compile_in_block(press, model) -> Callable[[], None]:
+    """A press's `compile`: inside its `with` block, generate makes a static cache (which a compiled `SparseCache`
+    replaces at the prompt, `fresh_static`) and so compiles its decoding steps, as it does for a static cache,
+    with the model's `compile_config` or transformers' default one, told to compile on a CPU too. transformers
+    decides whether to compile from the cache it made before the first forward, so the model's generation config
+    says so for the block (restored on exit), not the cache. Returns what restores it."""
+    config = model.generation_config
+    if config.cache_implementation not in (None, "static"):
+        raise ValueError(f"{type(press).__name__}: compile=True, but the model's generation_config asks for "
+                         f"cache_implementation={config.cache_implementation!r}; unset it inside the block.")
+    press.make_cache(model, compiled=True, max_new_tokens=1)  # (refuses, here, a model whose steps cannot compile)
+    before = config.cache_implementation, config.compile_config
+    config.cache_implementation = "static"
+    if config.compile_config is None:
+        config.compile_config = CompileConfig()
+        config.compile_config._compile_all_devices = True  # (its switch: on a CPU, transformers compiles only so)
+
+    def restore() -> None:
+        config.cache_implementation, config.compile_config = before
+    return restore
 
 
 def refuse_cache(inst, cache) -> None:

@@ -20,8 +20,8 @@ from .architectures import check_model
 from .attention import query_projection
 from .cache import KEEP_MASK, SparseCache
 from .generation import (
-    draft_length, eager_notice, fresh_default, pieces_after, prefill_before_draft, prefill_locals, refuse_cache,
-    verifies_draft,
+    compile_in_block, draft_length, eager_notice, fresh_default, fresh_static, pieces_after, prefill_before_draft,
+    prefill_locals, prompt_columns, refuse_cache, static_length, verifies_draft,
 )
 from .log import logger
 
@@ -70,6 +70,7 @@ def install(press, model: torch.nn.Module):
     if model in _active:
         raise ValueError("model: a sparsekv press is already installed on this model; presses do not nest.")
     inst, handles = Installation(press, model), []
+    restore = compile_in_block(press, model) if press.compile else None
     _active.add(model)
     try:
         handles.append(model.register_forward_pre_hook(partial(_before_model, inst), with_kwargs=True))
@@ -85,6 +86,8 @@ def install(press, model: torch.nn.Module):
         for handle in handles:
             handle.remove()
         _active.discard(model)
+        if restore is not None:
+            restore()
 
 
 def _before_model(inst: Installation, module, args, kwargs):
@@ -97,7 +100,13 @@ def _before_model(inst: Installation, module, args, kwargs):
     # transformers >= 5.24 calls it `cache`; a caller's deprecated `past_key_values` is still renamed by forward.
     key = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else "cache"
     cache = kwargs.get(key)
-    if cache is None or fresh_default(cache):
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    shape = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape
+    if inst.press.compile and fresh_static(cache):  # generate's, for `compile`: its length is the generation's
+        cache = kwargs[key] = SparseCache(inst.press, inst.model.config, compiled=True,
+                                          max_new_tokens=max(static_length(cache) - shape[1], 1))
+        kwargs["attention_mask"] = prompt_columns(kwargs.get("attention_mask"), shape[1])
+    elif cache is None or fresh_default(cache):
         default, cache = cache, SparseCache(inst.press, inst.model.config)
         if default is not None and any(getattr(layer, "record_past", False) for layer in default.layers):
             cache.activate_past_recording()  # generate asked its cache to be croppable (drafts)
@@ -114,8 +123,6 @@ def _before_model(inst: Installation, module, args, kwargs):
                                        "layer's weights are over the slots its cache holds, in slot order "
                                        "(`cache.layers[i].positions` gives each slot's position), not over every "
                                        "position.")
-    inputs = kwargs.get("input_ids", args[0] if args else None)
-    shape = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape
     draft = 0 if args else draft_length(kwargs, cache, shape[1])  # generate passes keywords only
     if draft:
         kwargs = prefill_before_draft(inst, module, kwargs, draft)

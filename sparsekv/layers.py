@@ -27,8 +27,10 @@ class KVLayer(RowState, CacheLayerMixin):
     Attributes:
         keys, values: `(batch, kv_heads, slots, head_dim)`, already rotated (RoPE applied at their positions).
         positions: `(batch, kv_heads, slots)` absolute index of each slot in the (left-padded) input sequence.
-        valid: `(batch, slots)` False for slots that hold no real token (padding); never attended. Validity is
-            shared by the heads of a row: every head of a row keeps the same number of real tokens.
+        valid: `(batch, kv_heads, slots)` False for slots that hold no real token (padding, or a free slot);
+            never attended. The heads of a row may hold different numbers of real tokens (head-wise budgets).
+        heads_agree: every head of each row holds the same validity (row budgets, as every press but a head-wise
+            one keeps): the mask is one per row, `(batch, 1, q, kv)`, not one per query head.
         all_valid: every slot holds a real token (no padding, no filler): attention over the layer needs no mask.
         extra: per-slot side data of a press, `(batch, kv_heads, slots)` tensors that follow their slot through
             `keep` / `evict` / `crop` and are zero-filled for new tokens (e.g. H2O's accumulated attention).
@@ -58,6 +60,7 @@ class KVLayer(RowState, CacheLayerMixin):
         self.compressed = False
         self.new_tokens = 0  # tokens of the last forward (`update`)
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
+        self.heads_agree = True
         self._views: StepViews | None = None  # an evicting layer's step views (`evict`), while they hold
 
     @property
@@ -94,7 +97,7 @@ class KVLayer(RowState, CacheLayerMixin):
         self.keys = key_states.new_empty(b, h, 0, d)
         self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
-        self.valid = torch.empty(b, 0, dtype=torch.bool, device=self.device)
+        self.valid = torch.empty(b, h, 0, dtype=torch.bool, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,
@@ -109,7 +112,7 @@ class KVLayer(RowState, CacheLayerMixin):
         self._append("values", value_states)
         self._append("positions", self.logical_len if q == 1 else torch.arange(
             self.logical_len, self.logical_len + q, device=self.device).expand(b, h, q))
-        self._append("valid", True if q == 1 and valid is None else self._new_valid(valid, b, q))
+        self._append("valid", True if q == 1 and valid is None else self._new_valid(valid, b, h, q))
         for name, t in self.extra.items():
             self._append(name, 0 if q == 1 else t.new_zeros(b, h, q), self.extra)
         self.logical_len += q
@@ -123,12 +126,13 @@ class KVLayer(RowState, CacheLayerMixin):
         return q == 1 and valid is None and self._views is not None and not torch.is_grad_enabled() \
             and self._views.held_by(self)
 
-    def _new_valid(self, valid: torch.Tensor | None, b: int, q: int) -> torch.Tensor:
+    def _new_valid(self, valid: torch.Tensor | None, b: int, h: int, q: int) -> torch.Tensor:
+        """`(batch, kv_heads, q)` validity of `q` new tokens, from the forward's `(batch, q)` (None: all real)."""
         if valid is None:
-            return torch.ones(b, q, dtype=torch.bool, device=self.device)
+            return torch.ones(b, h, q, dtype=torch.bool, device=self.device)
         valid = valid.to(self.device, torch.bool)
         self.all_valid = self.all_valid and bool(valid.all())
-        return valid
+        return per_head(valid, h)
 
     def _append(self, name: str, new: torch.Tensor | int | bool, where: dict | None = None) -> None:
         """Append `new` along the slot dimension of the tensor `name` (an attribute, or a key of `where`); a
@@ -156,39 +160,51 @@ class KVLayer(RowState, CacheLayerMixin):
 
     # --- selection plumbing, used by presses -------------------------------------------------------------------
     def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
-        """Keep, per row and head, the `budgets[row]` slots with the highest `scores` `(batch, heads, slots)`.
+        """Keep, per row and head, the `budgets` slots with the highest `scores` `(batch, heads, slots)`: `budgets`
+        `(batch,)` per row, or `(batch, heads)` per row and head (head-wise budgets).
 
-        Slots scored `-inf` (padding) are never kept as real tokens: a row with fewer other slots than its budget
-        keeps those. Rows keeping fewer than the most get invalid filler slots, ordered first, so that validity
-        stays shared by the heads of a row.
+        Slots scored `-inf` (padding) are never kept as real tokens: a head with fewer other slots than its budget
+        keeps those (under row budgets, every head of the row keeps as few, so that its heads agree). Heads keeping
+        fewer than the most get invalid filler slots, ordered first, then the kept tokens by position.
         """
-        budgets = torch.minimum(budgets.to(scores.device), (scores > float("-inf")).sum(-1).amin(-1))
+        scored = (scores > float("-inf")).sum(-1)  # (batch, heads)
+        budgets = budgets.to(scores.device)
+        heads_agree = budgets.dim() == 1
+        budgets = torch.minimum(budgets[:, None], scored.amin(-1, keepdim=True)) if heads_agree \
+            else torch.minimum(budgets, scored)  # (batch, 1) or (batch, heads)
         n_keep = int(budgets.max())
         # A stable sort breaks ties (max-pooling makes plateaus) by position, the same with or without padding.
         top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_keep]
-        real = (torch.arange(n_keep, device=scores.device) < budgets[:, None])[:, None, :]
-        # Fillers first, then kept tokens by position: every head of a row gets the same validity layout.
+        slot = torch.arange(n_keep, device=scores.device)
+        real = slot < budgets[..., None]
         pos = self.positions.gather(-1, top)
         order = torch.where(real, pos, pos - self.logical_len - 1).argsort(dim=-1)
-        valid = torch.arange(n_keep, device=scores.device) >= (n_keep - budgets)[:, None]
-        self.select(top.gather(-1, order), valid)
+        valid = (slot >= (n_keep - budgets)[..., None]).expand(*top.shape)
+        self.select(top.gather(-1, order), valid, heads_agree)
 
-    def select(self, idx: torch.Tensor, valid: torch.Tensor) -> None:
-        """Keep the slots `idx` `(batch, heads, k)`; `valid` `(batch, k)` marks which of them are real tokens."""
+    def select(self, idx: torch.Tensor, valid: torch.Tensor, heads_agree: bool | None = None) -> None:
+        """Keep the slots `idx` `(batch, heads, k)`; `valid` marks which of them are real tokens: `(batch, k)`,
+        the same for every head of a row, or `(batch, heads, k)` with `heads_agree` saying whether each row's
+        heads hold the same (None: read from `valid`, a host read)."""
         self.settle()
+        if valid.dim() == 2:
+            valid, heads_agree = per_head(valid, idx.shape[1]), True
+        elif heads_agree is None:
+            heads_agree = bool((valid == valid[:, :1]).all())
         gather = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
         self.keys, self.values = gather(self.keys), gather(self.values)
         self.positions = self.positions.gather(-1, idx)
         self.extra = {name: t.gather(-1, idx) for name, t in self.extra.items()}
-        self.valid = valid
+        self.valid = valid.contiguous()
         self.all_valid = bool(valid.all())
+        self.heads_agree = heads_agree
         self.compressed = True
         self._views = None  # (they view the tensors replaced)
 
     def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int, keep_new: bool = False
                     ) -> None:
-        """Evict the lowest-`scores` `(batch, heads, slots)` real tokens until each row holds no more than its
-        budget (`budgets` `(batch,)`, `largest` their maximum).
+        """Evict the lowest-`scores` `(batch, heads, slots)` real tokens until each row (and head) holds no more
+        than its budget (`budgets` `(batch,)` or `(batch, heads)`, `largest` their maximum).
 
         One token over is one eviction per row and head (`evict`); more a gather (`keep`). The gather never evicts
         the last forward's own tokens when they fit the budget, nor does the eviction with `keep_new` (the forward
@@ -201,7 +217,7 @@ class KVLayer(RowState, CacheLayerMixin):
         if self.slots == largest + 1:
             self.evict(self.victims(self._own_tokens_kept(scores, budgets) if keep_new else scores, budgets))
             return
-        self.keep(self._own_tokens_kept(scores, budgets).masked_fill(~self.valid[:, None, :], float("-inf")), budgets)
+        self.keep(self._own_tokens_kept(scores, budgets).masked_fill(~self.valid, float("-inf")), budgets)
 
     def _own_tokens_kept(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
         """`scores` with the last forward's own tokens never evicted, when they fit every row's budget."""
@@ -248,7 +264,7 @@ class KVLayer(RowState, CacheLayerMixin):
         torch._assert_async(free.any(-1).all(), "sparsekv: a compiled cache has no free slot left for this step's "
                             "token: make it with max_new_tokens at least generate's (`make_cache(model, "
                             "compiled=True, max_new_tokens=...)`).")
-        self.evict(first_true(free)[:, None].expand(-1, self.keys.shape[1]))
+        self.evict(first_true(free))
 
     def past_valid(self) -> torch.Tensor:
         """`valid`, for a mask built before a step's token is in: compiling, read through the step views' buffer
@@ -258,21 +274,20 @@ class KVLayer(RowState, CacheLayerMixin):
         return self.valid
 
     def victims(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-        """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token; where the row
-        holds no more real tokens than its budget (`budgets` `(batch,)`: a prompt kept whole, still growing), its
-        first filler slot instead, the same for every head, which the newest token fills."""
+        """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token; where the head
+        holds no more real tokens than its budget (`budgets` `(batch,)` or `(batch, heads)`: a prompt kept whole,
+        still growing), its first filler slot instead, which the newest token fills."""
         if self.all_valid:
             return scores.argmin(dim=-1)
-        victim = scores.masked_fill(~self.valid[:, None, :], float("inf")).argmin(dim=-1)
-        room = self.valid.sum(-1) <= budgets  # (batch,)
-        return torch.where(room[:, None], first_true(~self.valid)[:, None], victim)
+        victim = scores.masked_fill(~self.valid, float("inf")).argmin(dim=-1)
+        room = self.valid.sum(-1) <= (budgets[:, None] if budgets.dim() == 1 else budgets)  # (batch, heads)
+        return torch.where(room, first_true(~self.valid), victim)
 
     def evict(self, victim: torch.Tensor) -> None:
-        """Drop one slot per row and head, `victim` `(batch, heads)`: a real token, or a row's filler slot (the
-        same for each of its heads, `victims`). The newest slot (a real token) moves into the victim's, so
-        validity stays shared by the heads of a row, and the slots are one fewer."""
+        """Drop one slot per row and head, `victim` `(batch, heads)`: a real token, or a head's filler slot
+        (`victims`). The newest slot (a real token) moves into the victim's, and the slots are one fewer."""
         if not self.all_valid:  # a filler victim holds the newest token from now on (a real one is real already)
-            self.valid.scatter_(1, victim[:, :1], True)
+            self.valid.scatter_(-1, victim[..., None], True)
         views = self._views if self._views is not None and self._views.grown_by(self) else StepViews(self)
         reuse = not self.keys.requires_grad  # a forward with gradients reads no view made before these writes
         views.evict(self, victim[..., None], reuse)
@@ -341,11 +356,11 @@ class KVLayer(RowState, CacheLayerMixin):
         kept = self.slots - removed
         if not self.compressed:  # the logical layout: the dropped tokens are the last slots
             self.keys, self.values = self.keys[:, :, :kept], self.values[:, :, :kept]
-            self.positions, self.valid = self.positions[..., :kept], self.valid[:, :kept]
+            self.positions, self.valid = self.positions[..., :kept], self.valid[..., :kept]
             self.extra = {n: t[..., :kept] for n, t in self.extra.items()}
         else:
             idx = (~drop).to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :kept]
-            self.select(idx, self.valid.gather(1, idx[:, 0]))
+            self.select(idx, self.valid.gather(-1, idx), self.heads_agree)
         self.logical_len = length
 
     # --- memory accounting ----------------------------------------------------------------------------------
@@ -366,6 +381,12 @@ class KVLayer(RowState, CacheLayerMixin):
         return self.slots
 
 
+def per_head(valid: torch.Tensor, heads: int) -> torch.Tensor:
+    """A row's validity `(batch, slots)` as every one of its `heads`' `(batch, heads, slots)`, a tensor of its own
+    (it is written in place: `evict`)."""
+    return valid[:, None, :].expand(-1, heads, -1).contiguous()
+
+
 def padded_to_widest(layers: list) -> list:
     """Copies of `layers` (one type, as many tokens seen), each padded with invalid filler slots to the most slots
     any holds, where its layout puts them (`KVLayer.filler_slot`: first, as `keep` gives rows with smaller
@@ -382,6 +403,7 @@ def padded_to_widest(layers: list) -> list:
     # The batch's flags, alike in every row's copy (the generic join requires it).
     compressed = any(layer.compressed for layer in layers)
     all_valid = all(layer.all_valid and layer.slots == slots for layer in layers)
+    heads_agree = all(layer.heads_agree for layer in layers)
     copies = []
     for layer in layers:
         at = layer.filler_slot()
@@ -393,7 +415,7 @@ def padded_to_widest(layers: list) -> list:
         vars(twin).update(
             keys=grown(layer.keys, 0), values=grown(layer.values, 0), positions=grown(layer.positions, 0),
             valid=grown(layer.valid, False), extra={n: grown(t, 0) for n, t in layer.extra.items()},
-            compressed=compressed, all_valid=all_valid, _views=None)
+            compressed=compressed, all_valid=all_valid, heads_agree=heads_agree, _views=None)
         twin.fillers_added(slots - layer.slots)
         copies.append(twin)
     return copies

@@ -7,12 +7,14 @@ from __future__ import annotations
 import torch
 
 
-def padding_mask(mask, first: bool) -> torch.Tensor | None:
+def padding_mask(mask, first: bool, q: int) -> torch.Tensor | None:
     """A forward's `attention_mask` as the 2D `(batch, kv)` mask of which tokens are real, or None.
 
     generate gives a compiled cache's forwards 4D masks `(batch, 1, q, kv)` (boolean or additive; per layer
-    type in a dict for models that mix them): at a first forward their keys are the prompt, and the last query's
-    row, which sees every earlier key causally and no padding, tells which are real. A later forward's are read
+    type in a dict for models that mix them): at a first forward their first `q` keys are the prompt (the
+    others, a static cache's unwritten slots when generate made its mask for one: a press's `compile`), and the
+    last query's row, which sees every earlier key causally and no padding, tells which are real. A later
+    forward's are read
     as None (every new token real, as generate's steps are): its columns follow the logical layout, not the
     slots a compressed layer holds."""
     if isinstance(mask, dict):
@@ -22,7 +24,7 @@ def padding_mask(mask, first: bool) -> torch.Tensor | None:
     if mask.ndim == 4:
         if not first:
             return None
-        row = mask[:, 0, -1]
+        row = mask[:, 0, -1, :q]
         return row if row.dtype == torch.bool else row == 0
     return mask
 
@@ -39,23 +41,37 @@ def check_left_padded(attention_mask: torch.Tensor) -> None:
                          "`tokenizer.padding_side = \"left\"` before tokenizing.")
 
 
-def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, dtype: torch.dtype):
+def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, dtype: torch.dtype,
+                  groups: int = 1):
     """The attention mask of a compressed layer: past slots by validity, new tokens causal among themselves.
 
-    Returns what the attention implementation expects: None when nothing is masked; a 2D `(batch, kv)` mask for
-    flash attention (it aligns causality bottom-right, which matches new tokens appended last); a 4D boolean
-    mask for sdpa; a 4D additive float mask for eager.
+    `past_valid` is `(batch, slots)` when every head of a row holds the same validity, else `(batch, kv_heads,
+    slots)`, and `groups` query heads read each KV head. Returns what the attention implementation expects: None
+    when nothing is masked; a 2D `(batch, kv)` mask for flash attention (it aligns causality bottom-right, which
+    matches new tokens appended last; one per row, so its heads must agree); a 4D boolean mask for sdpa, a 4D
+    additive float mask for eager, `(batch, 1, q, kv)` or per query head `(batch, heads, q, kv)`.
     """
     q = new_valid.shape[1]
-    kv_valid = torch.cat([past_valid, new_valid.to(past_valid.device)], dim=-1)
+    per_head = past_valid.dim() == 3
+    new_valid = new_valid.to(past_valid.device)
+    if per_head:
+        new_valid = new_valid[:, None, :].expand(-1, past_valid.shape[1], -1)
+    kv_valid = torch.cat([past_valid, new_valid], dim=-1)
     # Compiling, the mask is kept even where every slot is real: whether they are is a host read.
     mask_all = torch.compiler.is_compiling()
     if impl.startswith("flash"):
+        if per_head:
+            raise ValueError(f"sparsekv: the heads of a row keep different tokens (head-wise budgets), and "
+                             f"attn_implementation={impl!r} takes one mask per row; load the model with "
+                             "attn_implementation=\"sdpa\" (or \"eager\").")
         return None if not mask_all and bool(kv_valid.all()) else kv_valid
     if q == 1 and not mask_all and bool(kv_valid.all()):
         return None
-    n = past_valid.shape[1]
-    mask = kv_valid[:, None, None, :].repeat(1, 1, q, 1)
+    n = past_valid.shape[-1]
+    if per_head:  # (batch, kv_heads, q, kv), each KV head's row repeated for its query heads
+        mask = kv_valid.repeat_interleave(groups, dim=1)[:, :, None, :].expand(-1, -1, q, -1).clone()
+    else:
+        mask = kv_valid[:, None, None, :].repeat(1, 1, q, 1)
     mask[..., n:] &= torch.ones(q, q, dtype=torch.bool, device=mask.device).tril()
     if impl == "eager":
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

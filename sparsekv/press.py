@@ -38,6 +38,12 @@ class Press:
             that is kept whole. 1.0 keeps everything, decoding included (no compression).
         budget: tokens of each prompt's KV kept (an alternative to `ratio`; give exactly one). A prompt no longer
             than the budget is kept whole; a press that evicts while decoding holds the budget once it is reached.
+        compile: generate compiles the decoding steps (`torch.compile`; CUDA graphs on a GPU) inside the `with`
+            block, with no cache or `compile_config` to pass: generate makes a cache of fixed shapes with room for
+            its `max_new_tokens`, and compiles with transformers' default `CompileConfig` (on a CPU too) unless
+            given one. Default False: decoding runs eagerly (a first compiled step takes seconds to a minute, and
+            each budget and batch size gets graphs of its own; docs/compiled.md). For presses whose steps compile
+            (`compiled_decoding`).
 
     Capabilities (class attributes; what the driver does for the press):
         reads_input_ids: `begin_forward` reads token ids (a forward given embeddings is refused).
@@ -58,6 +64,7 @@ class Press:
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
     ratio: float | None = field(default=None, kw_only=True)
     budget: int | None = field(default=None, kw_only=True)
+    compile: bool = field(default=False, kw_only=True)
     # Options of a press that set its budget instead of ratio / budget (e.g. CHESS's preset).
     budget_options: ClassVar[tuple[str, ...]] = ()
     reads_input_ids: ClassVar[bool] = False
@@ -107,6 +114,11 @@ class Press:
                                       unit="fraction of KV kept")
         if self.budget is not None:
             self.budget = check_number(name, "budget", self.budget, integer=True, low=1, unit="tokens kept")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"{name}: compile must be True or False; got {self.compile!r}.")
+        if self.compile and not self.compiled_decoding:
+            raise ValueError(f"{name}: compile=True, but {name}'s decoding steps do not compile yet ({COMPILING} "
+                             "do); leave compile off: generate decodes eagerly.")
 
     @classmethod
     def label(cls) -> str:
@@ -296,7 +308,7 @@ class ScorerPress(Press):
         if budgets is None:  # every prompt kept whole
             return
         scores = self.score(cache, layer, call)
-        scores = scores.masked_fill(~layer.valid[:, None, :], float("-inf"))
+        scores = scores.masked_fill(~layer.valid, float("-inf"))
         layer.keep(scores, budgets)
 
 

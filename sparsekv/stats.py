@@ -100,7 +100,7 @@ def prompt_kept(cache) -> dict[int, torch.Tensor]:
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, KVLayer) or not layer.is_initialized:
             continue
-        inside = (layer.positions < width) & layer.valid[:, None, :]
+        inside = (layer.positions < width) & layer.valid
         mask = torch.zeros(*layer.positions.shape[:2], width + 1, dtype=torch.bool, device=layer.positions.device)
         kept[i] = mask.scatter_(-1, layer.positions.where(inside, width), True)[..., :width]
     return kept

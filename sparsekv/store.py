@@ -8,7 +8,7 @@ import copy
 import torch
 
 from .buffers import step_state
-from .layers import KVLayer
+from .layers import KVLayer, per_head
 from .state import padded
 
 
@@ -88,7 +88,7 @@ class StoreLayer(KVLayer):
         if self.compressed:  # a working set was gathered: new tokens join it
             return super().update(key_states, value_states, valid=valid)
         # No working set yet: attention reads the store itself (views, no copy).
-        self.valid = torch.cat([self.valid, self._new_valid(valid, b, q)], dim=-1)
+        self.valid = torch.cat([self.valid, self._new_valid(valid, b, h, q)], dim=-1)
         self.logical_len = start + q
         self._view_store()
         return self.keys, self.values
@@ -162,7 +162,7 @@ class StoreLayer(KVLayer):
             self.make_step_room()
         b, h = self.store_keys.shape[:2]
         # (slot = position in a store that records every token)
-        self._views.rewrite(self, {"positions": slots[:, None, :].expand(b, h, -1), "valid": valid})
+        self._views.rewrite(self, {"positions": slots[:, None, :].expand(b, h, -1), "valid": valid[:, None, :]})
 
     def _load_context(self) -> None:
         """The keys and values of the working set's slots (`gather_in_place`), from the store."""
@@ -194,17 +194,18 @@ class StoreLayer(KVLayer):
         `valid`, a wait on a GPU). `slots` None: every token seen (`valid` `(batch, seen)`), at its position, as
         before the first selection: views of the store, no copy (a store that records every token)."""
         self._views = None  # (they view the tensors replaced)
+        b, h = self.store_keys.shape[:2]
         if slots is None:
             self._view_store()
-            self.valid, self.all_valid, self.compressed = valid, bool(valid.all()), False
+            self.valid, self.all_valid, self.compressed = per_head(valid, h), bool(valid.all()), False
             return
-        b, h = self.store_keys.shape[:2]
         index = slots[:, None, :, None].to(self.store_keys.device)
         self.keys, self.values = (t.gather(2, index.expand(b, h, -1, t.shape[-1])).to(self.device)
                                   for t in (self.store_keys, self.store_values))  # (values may be wider)
         self.positions = self.store_positions.gather(1, slots)[:, None, :].expand(b, h, -1).clone()
-        self.valid = valid
+        self.valid = per_head(valid, h)
         self.all_valid = bool(valid.all()) if all_valid is None else all_valid
+        self.heads_agree = True
         self.compressed = True
 
     def _load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
@@ -220,7 +221,7 @@ class StoreLayer(KVLayer):
         if self.is_initialized and length < self.logical_len and self.records_tokens and not self.compressed:
             self.logical_len = length  # attention reads the store: its slots past `length` are simply not read
             self.keys, self.values = self.store_keys[:, :, :length], self.store_values[:, :, :length]
-            self.positions, self.valid = self.positions[..., :length], self.valid[:, :length]
+            self.positions, self.valid = self.positions[..., :length], self.valid[..., :length]
             return
         super().crop_to(length)  # the working set; store slots past `length` are overwritten by the next tokens
 

@@ -109,7 +109,7 @@ def test_batch_rows_choose_their_own_chunks():
         alone = prefill(model, press, row[None])
         offset = 100 - len(row)
         for a, b in zip(compressed(batched), compressed(alone)):
-            real = a.valid[i]
+            real = a.valid[i, 0]
             assert torch.equal(a.positions[i][:, real] - offset, b.positions[0]), i
 
 

@@ -4,6 +4,7 @@ model's forward with the press's hooks and work inside it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 
@@ -221,7 +222,7 @@ def test_a_compiled_cache_without_room_fails_loudly(press, compile_):
 def held(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions and keys of a layer's real tokens, per row and head in order of position (a compiled cache
     holds free slots besides them, `KVLayer.make_step_room`)."""
-    order = layer.positions.masked_fill(~layer.valid[:, None, :], -1).argsort(dim=-1, stable=True)
+    order = layer.positions.masked_fill(~layer.valid, -1).argsort(dim=-1, stable=True)
     real = int(layer.valid.sum(-1).min())
     order = order[..., -real:]
     return layer.positions.gather(-1, order), layer.keys.gather(2, order[..., None].expand(-1, -1, -1,
@@ -306,7 +307,46 @@ def test_a_compile_config_that_cannot_be_served_is_said_once(press, caplog):
                 assert torch.equal(greedy(model, ids, None, new=4, compile_config=config), eager)
     said = [r.getMessage() for r in caplog.records if r.name == "sparsekv" and "decodes eagerly" in r.getMessage()]
     assert len(said) == 1, said
-    assert ("do not compile yet" if isinstance(press, SentencePress) else "make_cache(model, compiled=True") in said[0]
+    assert ("do not compile yet" if isinstance(press, SentencePress) else "SnapKVPress(..., compile=True)") in said[0]
+
+
+@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25, window_size=1),
+                                   CHESS[0]], ids=label)
+@torch.no_grad()
+def test_the_compile_option_compiles_generate_called_as_without_it(press):
+    """`compile=True`: generate called with no cache compiles its decoding steps (here with the test's backend, a
+    `compile_config` given; without one the block's default compiles, on a CPU too), over a compiled cache sized
+    by the generation's `max_new_tokens`: the eager tokens, compiled, and the model's generation config as it
+    was once the block ends."""
+    model = make_model("llama")
+    ids, mask = left_padded()
+    with press(model):
+        eager = greedy(model, ids, mask, new=8)
+    config = model.generation_config
+    before = config.cache_implementation, config.compile_config
+    graphs = []
+    torch._dynamo.reset()
+    try:
+        with dataclasses.replace(press, compile=True)(model):
+            assert config.cache_implementation == "static" and config.compile_config._compile_all_devices
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 compile_config=counting_config(graphs), return_dict_in_generate=True)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out.sequences, eager) and out.cache.compiled and graphs
+    assert (config.cache_implementation, config.compile_config) == before
+
+
+def test_the_compile_option_is_refused_where_steps_cannot_compile():
+    """`compile=True` under a press whose steps do not compile is refused when the press is made; on a model with
+    layers the press does not compress, when the block begins."""
+    with pytest.raises(ValueError, match="SentencePress: compile=True, but SentencePress's decoding steps do not"):
+        SentencePress(make_tokenizer(), ratio=0.25, compile=True)
+    model = make_model("gemma3")
+    with pytest.raises(ValueError, match="mixes in layers StreamingLLMPress does not compress"):
+        with StreamingLLMPress(ratio=0.25, window_size=1, compile=True)(model):
+            pass
+    assert model.generation_config.cache_implementation is None
 
 
 @torch.no_grad()

@@ -122,7 +122,7 @@ def test_appends_are_written_in_place_between_reallocations():
     assert len(set(ptrs[: GROW + 1])) == 1 and ptrs[GROW + 1] != ptrs[0]  # one reallocation every GROW steps
     assert torch.equal(layer.keys, torch.cat(keys, dim=2)) and torch.equal(layer.values, torch.cat(values, dim=2))
     assert torch.equal(layer.positions[0, 0], torch.cat([torch.arange(2, 8), torch.arange(10, 10 + GROW + 2)]))
-    assert layer.valid.shape == (2, 6 + GROW + 2) and bool(layer.valid.all())
+    assert layer.valid.shape == (*layer.keys.shape[:2], 6 + GROW + 2) and bool(layer.valid.all())
     assert buffer_of(torch.zeros(1, 5).expand(3, 5), 5) is None  # broadcast views are never written into
 
 
@@ -312,7 +312,7 @@ def test_streaming_llm_rolls_every_row_of_a_padded_batch_past_a_full_turn():
         expected = torch.cat([torch.arange(start, start + sinks), torch.arange(end - (budget - sinks), end)])
         expected = expected.to(DEVICE)
         for layer in compressed_layers(out.cache):
-            real = layer.positions[i][:, layer.valid[i]]
+            real = layer.positions[i][:, layer.valid[i, 0]]
             assert torch.equal(real.sort(-1).values, expected.expand(2, -1)), (i, real)
 
 
@@ -327,7 +327,8 @@ def test_an_eviction_moves_the_newest_slot_into_the_victims_and_a_filler_victim_
     layer.update(keys[:, :, 5:], keys[:, :, 5:] + 1)  # the newest token, real in both rows
     victim = torch.tensor([[2, 0, 4], [0, 0, 0]])  # row 0: real tokens; row 1: its first filler slot
     layer.evict(victim)
-    assert layer.slots == n - 1 and torch.equal(layer.valid, torch.tensor([[True] * 5, [True, False] + [True] * 3]))
+    assert layer.slots == n - 1 and torch.equal(
+        layer.valid, torch.tensor([[True] * 5, [True, False] + [True] * 3])[:, None].expand(b, h, -1))
     for row in range(b):
         for head in range(h):
             slot = int(victim[row, head])

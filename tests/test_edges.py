@@ -40,7 +40,7 @@ def said(caplog):
 
 def real_held(cache) -> list[list[int]]:
     """Per compressed layer, the real tokens each row holds."""
-    return [layer.valid.sum(-1).tolist() for layer in cache.compressed_layers()]
+    return [layer.valid[:, 0].sum(-1).tolist() for layer in cache.compressed_layers()]
 
 
 # --- short prompts -------------------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
     assert cropped.get_seq_length() == direct.get_seq_length() == 65
     for a, b in zip(cropped.compressed_layers(), direct.compressed_layers()):
         assert a.slots <= b.slots or acts_while_decoding(press_cls)
-        held = lambda layer: {int(p) for p in layer.positions[0, 0][layer.valid[0]]}  # noqa: E731
+        held = lambda layer: {int(p) for p in layer.positions[0, 0][layer.valid[0, 0]]}  # noqa: E731
         assert max(held(a)) == 64 and not any(p > 64 for p in held(a))
         if not acts_while_decoding(press_cls):
             assert torch.equal(a.positions, b.positions) and torch.allclose(a.keys, b.keys)

@@ -129,7 +129,7 @@ def test_join_pads_fewer_slots_with_fillers_first_and_leaves_its_caches():
         slots = [part.compressed_layers()[0].slots for part in parts]
         assert layer.slots == max(slots) > min(slots)
         for row, n in enumerate(slots):
-            assert not layer.valid[row, : layer.slots - n].any() and layer.valid[row, layer.slots - n:].all()
+            assert not layer.valid[row, :, : layer.slots - n].any() and layer.valid[row, :, layer.slots - n:].all()
         model.generate(ids, attention_mask=mask, cache=joined, max_new_tokens=4, do_sample=False)
     for part, old in zip(parts, before):
         for a, b in zip(part.compressed_layers(), old.compressed_layers()):

@@ -43,7 +43,7 @@ def test_a_scorer_keeps_each_rows_best_keys(press_cls, score):
         for row, n in enumerate((48, 40)):
             budget = round(0.25 * n)
             best = scores[row].topk(budget, dim=-1).indices.sort(-1).values  # (heads, budget): padded indices
-            held = layer.positions[row][:, layer.valid[row]].sort(-1).values
+            held = layer.positions[row][:, layer.valid[row, 0]].sort(-1).values
             assert torch.equal(held, best), (press_cls.__name__, row)
 
 
@@ -58,7 +58,7 @@ def test_tova_holds_one_layout_for_every_head_and_its_budget_while_decoding():
     for layer in prompt_cache.compressed_layers():
         assert bool((layer.positions[0] == 63).any(-1).all())  # the last prompt token, in every head
     for layer in out.cache.compressed_layers():
-        held = [layer.positions[row][:, layer.valid[row]].sort(-1).values for row in range(2)]
+        held = [layer.positions[row][:, layer.valid[row, 0]].sort(-1).values for row in range(2)]
         assert all(h.shape[-1] == 24 for h in held)
         assert all(bool((h == h[:1]).all()) for h in held)  # one layout for every KV head
     plain = greedy(model, prompt(20), new=6)

@@ -70,7 +70,7 @@ def test_budget_and_memory_held_at_every_step(impl):
             token = out.logits[:, -1:].argmax(-1)
             for layer in compressed(cache):
                 assert layer.keys.shape[-2] == tau + 12 + step  # tau loaded + 4 sinks + 8 recent + generated
-                assert int(layer.valid.sum()) == tau + 12 + step  # every slot real
+                assert int(layer.valid[:, 0].sum()) == tau + 12 + step  # every slot real
                 prompt_slots = layer.positions[0, :, layer.positions[0, 0] < n]
                 assert prompt_slots.shape[-1] == tau + 12 and (prompt_slots[:, :4] >= 0).all()
                 assert set(range(4)) <= set(prompt_slots[0].tolist()) and set(range(n - 8, n)) <= set(
@@ -365,8 +365,8 @@ def test_the_loaded_region_holds_store_tokens_from_the_prompt_on():
     cache = padded_prefill()
     for layer in compressed(cache):
         for row in range(2):
-            fill = int(layer.valid[row, :layer.loaded].sum())
-            assert fill > 0 and layer.valid[row, :fill].all()
+            fill = int(layer.valid[row, 0, :layer.loaded].sum())
+            assert fill > 0 and layer.valid[row, :, :fill].all()
             for head in range(layer.keys.shape[1]):
                 positions = layer.positions[row, head, :fill]
                 slot = (layer.store_positions[row][None] == positions[:, None]).float().argmax(-1)

@@ -79,7 +79,7 @@ class ChunkPress(SnapKVPress):
             return
         state, i = cache.state, call.module.layer_idx
         if state.leader[i] == i:
-            state.selection[i] = self.select_chunks(self.window_scores(cache, layer, call), layer.valid,
+            state.selection[i] = self.select_chunks(self.window_scores(cache, layer, call), layer.valid[:, 0],
                                                     cache.on("prompt_start", layer.keys.device), budgets)
         scores, kept = state.selection[state.leader[i]]
         layer.keep(scores.expand(-1, layer.keys.shape[1], -1), kept)

@@ -100,7 +100,7 @@ class H2OPress(Press):
         received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(cache, layer, call))
         layer.extra["received"] = received.clone()
         if budgets is not None:
-            scores = self.heavy_scores(cache, layer).masked_fill(~layer.valid[:, None, :], float("-inf"))
+            scores = self.heavy_scores(cache, layer).masked_fill(~layer.valid, float("-inf"))
             layer.keep(scores, budgets)
 
     def received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
@@ -136,7 +136,7 @@ class H2OPress(Press):
         query sees the real slots, and a draft's tokens (the forward's last slots) none after their own. A step's
         one query on a layer whose slots are all real sees every slot: no mask to build."""
         q_len = cache.forward.q_len
-        visible = None if q_len == 1 and layer.all_valid else layer.valid[:, None, :]
+        visible = None if q_len == 1 and layer.all_valid else layer.valid[:, :, None, :]  # (b, h, 1, n)
         if q_len > 1:
             n = layer.keys.shape[-2]
             new = torch.arange(n - q_len, n, device=layer.keys.device)

@@ -27,6 +27,6 @@ class KeyDiffPress(FlooredScorerPress):
 
     def score(self, cache, layer, call) -> torch.Tensor:
         keys = F.normalize(layer.keys.float(), dim=-1)  # (batch, kv_heads, prompt, head_dim)
-        real = layer.valid[:, None, :, None].to(keys.dtype)
+        real = layer.valid[..., None].to(keys.dtype)
         anchor = (keys * real).sum(dim=2, keepdim=True) / real.sum(dim=2, keepdim=True).clamp(min=1)
         return -F.cosine_similarity(keys, anchor, dim=-1)

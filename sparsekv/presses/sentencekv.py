@@ -151,7 +151,8 @@ class SentencePress(SnapKVPress):
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         state = cache.state
         if state.sentences is None:  # the first compressed layer: the prompt's sentences (sec. 4.1)
-            state.sentences = sentence_ids(self.tokenizer, state.prompt_ids, layer.valid, self.max_sentence_tokens)
+            real = layer.valid[:, 0]  # the prompt's tokens (every head alike)
+            state.sentences = sentence_ids(self.tokenizer, state.prompt_ids, real, self.max_sentence_tokens)
             state.prompt_ids = None
         fixed = self.n_sinks + self.window_size
         taus = self.row_budgets(cache, beside=fixed)
@@ -160,7 +161,7 @@ class SentencePress(SnapKVPress):
         b, h, n, _ = layer.keys.shape
         device = layer.keys.device
         start = cache.on("prompt_start", device)[:, None]
-        valid = layer.valid
+        valid = layer.valid[:, 0]  # the prompt's (every head alike)
         # Attended at every step: each row's first n_sinks tokens and the last window_size. A row too short for both
         # (kept whole beside longer ones) has them overlap, or reach into its padding: those slots are fillers.
         sinks = start + torch.arange(self.n_sinks, device=device)

@@ -71,7 +71,7 @@ class StreamingLLMPress(Press):
     def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         budgets = self.row_budgets(cache)
         if budgets is not None:
-            layer.keep(self.recency(cache, layer).masked_fill(~layer.valid[:, None, :], float("-inf")), budgets)
+            layer.keep(self.recency(cache, layer).masked_fill(~layer.valid, float("-inf")), budgets)
 
     def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
         """The rolling cache: a row over its budget evicts its oldest non-sink tokens (one at a decoding step)."""

@@ -42,6 +42,6 @@ class TOVAPress(FlooredScorerPress):
     def after_step(self, cache, layer, call) -> None:
         if self.holds_budget_while_decoding():
             q_len = cache.forward.q_len  # the forward's last query sees every slot held (a draft: its last token)
-            visible = None if q_len == 1 and layer.all_valid else layer.valid[:, None, :]
+            visible = None if q_len == 1 and layer.all_valid else layer.valid[:, :, None, :]
             probs = call.probs(layer.keys, visible, q_len - 1, q_len).mean(dim=(1, 2, 3))
             self.hold_budget(cache, layer, probs[:, None].expand(-1, layer.keys.shape[1], -1))
