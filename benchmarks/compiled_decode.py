@@ -19,6 +19,7 @@ On a CPU, transformers compiles only when told to (`CompileConfig._compile_all_d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -82,7 +83,7 @@ def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new
     }
     for spec in specs:
         def run(spec=spec, compiled=False):
-            with make_press(spec, ratio=ratio, compile=compiled)(model):  # compile: generate sizes the cache
+            with dataclasses.replace(make_press(spec, ratio=ratio), compile=compiled)(model):  # (room: generate's)
                 return generation(model, ids, new, None, config if compiled else None)
 
         runs[f"{spec} eager"] = run

@@ -56,12 +56,17 @@ class SparseCache(RowState, Cache):
         press: the press (configuration only, shared by copies).
         prompt_lengths: `(batch,)` real prompt tokens, on the CPU; `prompt_start`: `(batch,)` each row's first
             real token. Set at the first forward.
-        budgets: `(batch,)` tokens kept per row, set by the press at prefill (`Press.row_budgets`).
+        budgets: `(batch,)` tokens kept per row, set once the prompt is in (`Press.prompt_budgets`); None before,
+            and for a press that keeps no number of tokens (CHESS's `read_budget`).
         state: the press's per-generation state (`Press.new_state`), a `RowState` or None.
         compiled: generate may compile its decoding steps over this cache (`is_compileable`; `Press.make_cache`).
         max_new_tokens: a `compiled` cache's room for the tokens each generation adds after its prompt, under a
             press that keeps them all (`Press.holds_budget_while_decoding` False); None otherwise.
         forward: the `Forward` under way, None between forwards.
+        one_layout: every compressed layer holds the same validity, on one device (a compiled cache's layers after
+            its prompt, under every press whose steps compile, `ready_for_steps`): a decoding step builds one mask
+            for them and finds one free slot for its token (`Forward.mask`, `Forward.victims`), not one per layer.
+            A step keeps it so: its token takes a free slot found from that validity, or a real token's slot.
         seconds: time spent in press work, "compress" and "step" (for `stats`); counts: press events by kind.
     """
 
@@ -81,6 +86,7 @@ class SparseCache(RowState, Cache):
         self.prompt_lengths: torch.Tensor | None = None
         self.prompt_start: torch.Tensor | None = None
         self.budgets: torch.Tensor | None = None
+        self.one_layout = False
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
@@ -197,6 +203,8 @@ class SparseCache(RowState, Cache):
                 self.pieces.read(real)
             seen = self.pieces.length if self.pieces is not None else q_len
             self.prompt_start = (seen - self.prompt_lengths).clamp(min=0)  # left padding: before the first piece
+            if not pieces_left:  # the whole prompt is in
+                self.budgets = self.press.prompt_budgets(self.prompt_lengths)
         if self.press.reads_input_ids and input_ids is None:
             raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
         if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
@@ -224,11 +232,16 @@ class SparseCache(RowState, Cache):
                 forward.q_len == 1 or module.config._attn_implementation.startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
         new_valid = forward.input_valid
+        if forward.mask is not None:  # built by the step's first layer for every layer (`one_layout`)
+            return forward.mask
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
         past = layer.past_valid()
-        return physical_mask(past[:, 0] if layer.heads_agree else past, new_valid, module.config._attn_implementation,
+        mask = physical_mask(past[:, 0] if layer.heads_agree else past, new_valid, module.config._attn_implementation,
                              hidden.dtype, query_groups(module))
+        if self.one_layout and forward.q_len == 1:
+            forward.mask = mask
+        return mask
 
     def after_queries(self, layer_idx: int, projected: torch.Tensor) -> None:
         """The layer's query projection ran: presses that read a step's queries get them (`on_queries`)."""
@@ -267,7 +280,10 @@ class SparseCache(RowState, Cache):
         else:
             self.press.after_step(self, layer, call)
             if self.compiled and not self.press.holds_budget_while_decoding():
-                layer.keep_step_token()  # the step's token to a free slot: the layer keeps its shape
+                # The step's token to a free slot: the layer keeps its shape. One layout: the first layer's slot.
+                victims = layer.keep_step_token(self.forward.victims)
+                if self.one_layout:
+                    self.forward.victims = victims
             kind = "step"
         self.timed(kind, start)
 
@@ -304,6 +320,9 @@ class SparseCache(RowState, Cache):
                     self.on(name, layer.device)
             layer.make_step_room(self.largest_budget - layer.slots if holds
                                  else self.max_new_tokens - layer.free_slots())
+        layers = self.compressed_layers()
+        self.one_layout = all(layer.device == layers[0].device and layer.slots == layers[0].slots
+                              and torch.equal(layer.valid, layers[0].valid) for layer in layers)
 
     def _open_forward(self, layer_idx: int) -> Forward:
         forward = self.forward
@@ -342,6 +361,7 @@ class SparseCache(RowState, Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"crop: give a negative number of tokens to remove; got {tokens_to_remove}.")
         length = self.get_seq_length() + tokens_to_remove
+        self.one_layout = False  # (the next forward of several tokens finds it again, `ready_for_steps`)
         if tokens_to_remove and self.prompt_lengths is not None:
             self.press.crop(self, length)  # first: it may read the rejected tokens' KV
         for layer in self.layers:

@@ -25,8 +25,11 @@ class Forward:
         plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g.
             SentenceKV's sentence-closing flags) or by the first layer that needs it; None when it has none. Gone
             with the forward.
-        victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer when a
-            press's scores are the same in every layer (`Press.hold_budget`, `shared_by_layers`).
+        victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer: when a
+            press's scores are the same in every layer (`Press.hold_budget`, `shared_by_layers`), or the free slot
+            of a step's token when every layer holds one layout (`SparseCache.one_layout`).
+        mask: the attention mask of a decoding step's every layer when they hold one layout
+            (`SparseCache.one_layout`), built at its first layer; None otherwise.
         draft: the forward's tokens are a draft being verified (assisted decoding, prompt lookup), which a crop may
             take back.
         continues_prompt: several new tokens after the first forward that are not a draft being verified: a
@@ -48,4 +51,5 @@ class Forward:
     calls: dict[int, AttentionCall] = field(default_factory=dict)
     plan: Any = None
     victims: torch.Tensor | None = None
+    mask: Any = None
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)

@@ -252,19 +252,23 @@ class KVLayer(RowState, CacheLayerMixin):
         """Free (filler) slots of the row that has fewest (a host read)."""
         return self.slots - int(self.valid.sum(-1).max()) if self.slots else 0
 
-    def keep_step_token(self) -> None:
+    def keep_step_token(self, slot: torch.Tensor | None = None) -> torch.Tensor | None:
         """A decoding step's token that the press did not make room for by an eviction (it keeps every token while
-        decoding) moves from the step's slot into its row's first free slot: the layer keeps its shape (a compiled
-        cache, `make_step_room`). With no free slot left, a device-side error (no host read: the step may be a
-        compiled graph), never an overwritten token."""
+        decoding) moves from the step's slot into its head's first free slot, `(batch, heads)`: the layer keeps
+        its shape (a compiled cache, `make_step_room`). `slot`: that slot, found by another layer of the same
+        validity (`SparseCache.one_layout`); None: found here. With no free slot left, a device-side error (no
+        host read: the step may be a compiled graph), never an overwritten token. Returns the slot taken."""
         views = self._views
         if views is None or not views.grown_by(self):
-            return
-        free = ~views.held_view("valid")
-        torch._assert_async(free.any(-1).all(), "sparsekv: a compiled cache has no free slot left for this step's "
-                            "token: make it with max_new_tokens at least generate's (`make_cache(model, "
-                            "compiled=True, max_new_tokens=...)`).")
-        self.evict(first_true(free))
+            return None
+        if slot is None:
+            free = ~views.held_view("valid")
+            torch._assert_async(free.any(-1).all(), "sparsekv: a compiled cache has no free slot left for this "
+                                "step's token: make it with max_new_tokens at least generate's (`make_cache(model, "
+                                "compiled=True, max_new_tokens=...)`).")
+            slot = first_true(free)
+        self.evict(slot)
+        return slot
 
     def past_valid(self) -> torch.Tensor:
         """`valid`, for a mask built before a step's token is in: compiling, read through the step views' buffer

@@ -64,7 +64,8 @@ class Press:
     # Keyword-only, so a press may take a positional argument of its own (SentencePress's tokenizer).
     ratio: float | None = field(default=None, kw_only=True)
     budget: int | None = field(default=None, kw_only=True)
-    compile: bool = field(default=False, kw_only=True)
+    # How generate decodes, not what the press keeps: not in its repr, nor in its equality (a cache continues).
+    compile: bool = field(default=False, kw_only=True, repr=False, compare=False)
     # Options of a press that set its budget instead of ratio / budget (e.g. CHESS's preset).
     budget_options: ClassVar[tuple[str, ...]] = ()
     reads_input_ids: ClassVar[bool] = False
@@ -222,11 +223,22 @@ class Press:
             raise ValueError(f"{type(self).__name__}: budget={self.budget} must be at least {shown} (the tokens it "
                              f"always keeps); lower {options} to keep fewer.")
 
+    def prompt_budgets(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """Tokens each row keeps, `(batch,)`, for prompts of `lengths` real tokens: `budget`, or `ratio` of the
+        row's prompt (rounded), and never fewer than the tokens the press always keeps (`min_kept`); None for a
+        press given neither (CHESS's `read_budget`). The core sets `cache.budgets` from it once the prompt is in."""
+        if self.budget is not None:
+            asked = torch.full_like(lengths, self.budget)
+        elif self.ratio is not None:
+            asked = (lengths.double() * self.ratio).round().long()
+        else:
+            return None
+        return asked.clamp(min=self.min_kept()[0])
+
     def row_budgets(self, cache: SparseCache, beside: int = 0) -> torch.Tensor | None:
-        """Tokens each row keeps, `(batch,)`, set once per generation on the cache: `budget`, or `ratio` of the
-        row's prompt (rounded), and never fewer than the tokens the press always keeps (`min_kept`). None when
-        there is nothing to compress: every row's budget, plus the `beside` tokens the press keeps besides it,
-        covers its prompt (`cache.on("budgets")` still gives them).
+        """`cache.budgets`, the tokens each row keeps (`prompt_budgets`), or None when there is nothing to
+        compress: every row's budget, plus the `beside` tokens the press keeps besides it, covers its prompt
+        (`cache.on("budgets")` still gives them).
 
         A row whose prompt is no longer than its budget plus the `beside` tokens the press keeps besides it
         cannot be compressed: it is kept whole (said once per process through the `sparsekv` logger, unless
@@ -234,16 +246,9 @@ class Press:
         the row grows past it. A longer row whose `ratio` falls under the floor keeps the floor (said once too).
         """
         minimum, what = self.min_kept()
-        lengths, first = cache.prompt_lengths, cache.budgets is None
-        if first:
-            if self.budget is not None:
-                asked = torch.full_like(lengths, self.budget)
-            else:
-                asked = (lengths.double() * self.ratio).round().long()
-            cache.budgets = asked.clamp(min=minimum)
-        budgets = cache.budgets
+        lengths, budgets = cache.prompt_lengths, cache.budgets
         whole = budgets + beside >= lengths
-        if first and self.ratio != 1.0 and bool(whole.any()):
+        if self.ratio != 1.0 and bool(whole.any()):
             row = int(lengths.masked_fill(~whole, -1).argmax())
             kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
             held = int(budgets[row]) + beside
@@ -254,7 +259,8 @@ class Press:
                 f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "
                 f"{held} tokens the press keeps ({kept}{f' and {beside} always attended' if beside else ''})."
                 f"{after} (Said once.)"))
-        raised = (budgets > asked) & ~whole if first and self.budget is None else None
+        asked = (lengths.double() * self.ratio).round().long() if self.budget is None else None
+        raised = (budgets > asked) & ~whole if asked is not None else None
         if raised is not None and bool(raised.any()):
             row = int(raised.int().argmax())
             say_once((type(self), "floor"), (

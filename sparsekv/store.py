@@ -145,11 +145,12 @@ class StoreLayer(KVLayer):
             return self.store_keys.shape[2] - self.logical_len
         return super().free_slots()
 
-    def keep_step_token(self) -> None:
+    def keep_step_token(self, slot: torch.Tensor | None = None) -> torch.Tensor | None:
         if not self.records_tokens:
-            return super().keep_step_token()
+            return super().keep_step_token(slot)
         if self._views is not None and self._views.grown_by(self):
             self._views.hold(self)  # the token is in the store, where the next step's working set reads it
+        return None
 
     def gather_in_place(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Make the working set the store slots `slots` `(batch, n)` (`valid`: which are real), written into the

@@ -263,6 +263,44 @@ def test_a_compiled_generation_leaves_the_eager_cache(press):
     assert cache.get_seq_length() == eager_cache.get_seq_length() == 64 + 6
 
 
+@pytest.mark.parametrize("press", COMPILED, ids=label)
+@torch.no_grad()
+def test_a_step_over_layers_of_one_layout_builds_one_mask_and_finds_one_slot(press, monkeypatch):
+    """A compiled cache's layers hold one validity after the prompt (`SparseCache.one_layout`): a decoding step
+    builds the mask at its first layer and every layer reads it, and a press that keeps every token finds its
+    token's free slot once; the step's logits and every layer's tokens are those of a step that builds and finds
+    them per layer."""
+    import sparsekv.cache
+    import sparsekv.layers
+
+    model = make_model("llama")
+    ids, mask = left_padded()
+    step = prompt(1, batch=2, seed=3)
+    with press(model):
+        cache = compiled_cache(model, press)
+        model(ids, attention_mask=mask, cache=cache)
+        assert cache.one_layout
+        twin = copy.deepcopy(cache)
+        twin.one_layout = False
+        expected = model(step, cache=twin).logits
+        calls = {"mask": 0, "slot": 0}
+
+        def counted(name, fn):
+            def run(*args, **kwargs):
+                calls[name] += 1
+                return fn(*args, **kwargs)
+            return run
+        monkeypatch.setattr(sparsekv.cache, "physical_mask", counted("mask", sparsekv.cache.physical_mask))
+        monkeypatch.setattr(sparsekv.layers, "first_true", counted("slot", sparsekv.layers.first_true))
+        logits = model(step, cache=cache).logits
+    assert calls["mask"] == 1
+    if not press.holds_budget_while_decoding():  # (an evicting press's victims are its scores' in each layer)
+        assert calls["slot"] == (0 if isinstance(press, CHESSPress) else 1)  # (CHESS's store has the room)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    for ours, theirs in zip(cache.compressed_layers(), twin.compressed_layers()):
+        assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.valid, theirs.valid)
+
+
 def test_a_cache_that_cannot_compile_is_refused_at_the_door():
     """`compiled=True` under a press whose steps do not compile, or on a model with layers the press does not
     compress (which keep transformers' growing cache), is refused when the cache is made, naming what to do."""

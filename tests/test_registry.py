@@ -27,7 +27,7 @@ def test_specs_build_presses_with_typed_options():
 
 @pytest.mark.parametrize("spec, message", [
     ("nope", "unknown press 'nope'; known presses: snapkv, h2o"),
-    ("snapkv:window=3", "SnapKVPress has no option 'window'; its options: ratio, budget, window_size"),
+    ("snapkv:window=3", "SnapKVPress has no option 'window'; its options: ratio, budget, compile, window_size"),
     ("snapkv:window_size=abc", "option window_size must be int; got 'abc'"),
     ("h2o:ratio=true", "option ratio must be float; got 'true'"),
     ("snapkv:ratio=1.5", r"ratio must be in \(0, 1\]"),

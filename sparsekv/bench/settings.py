@@ -25,7 +25,7 @@ class Setting:
     @property
     def kept(self) -> int:
         """Prompt tokens the press keeps of the longest row: its budget, or `ratio` of the prompt (rounded as
-        `Press.row_budgets`)."""
+        `Press.prompt_budgets`)."""
         if self.press == "full":
             return self.length
         return self.budget if self.budget is not None else max(1, round(self.ratio * self.length))
