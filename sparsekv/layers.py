@@ -12,12 +12,11 @@ generic (`sparsekv.state`).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .buffers import StepViews, allocated, append_in_place, first_true, slot_dim
+from .join import padded_to_widest
 from .state import RowState, padded
 
 
@@ -389,37 +388,3 @@ def per_head(valid: torch.Tensor, heads: int) -> torch.Tensor:
     """A row's validity `(batch, slots)` as every one of its `heads`' `(batch, heads, slots)`, a tensor of its own
     (it is written in place: `evict`)."""
     return valid[:, None, :].expand(-1, heads, -1).contiguous()
-
-
-def padded_to_widest(layers: list) -> list:
-    """Copies of `layers` (one type, as many tokens seen), each padded with invalid filler slots to the most slots
-    any holds, where its layout puts them (`KVLayer.filler_slot`: first, as `keep` gives rows with smaller
-    budgets), so that validity stays shared by the heads of a row. `RowState.joined` then concatenates them."""
-    for layer in layers:
-        layer.settle()
-    first = layers[0]
-    if any(type(layer) is not type(first) or layer.logical_len != first.logical_len or not layer.is_initialized
-           for layer in layers):
-        raise ValueError("sparsekv: these layers cannot be joined: each must have seen the same number of "
-                         f"tokens ({sorted({layer.logical_len for layer in layers})}); join caches of prompts "
-                         "padded to one length.")
-    slots = max(layer.slots for layer in layers)
-    # The batch's flags, alike in every row's copy (the generic join requires it).
-    compressed = any(layer.compressed for layer in layers)
-    all_valid = all(layer.all_valid and layer.slots == slots for layer in layers)
-    heads_agree = all(layer.heads_agree for layer in layers)
-    copies = []
-    for layer in layers:
-        at = layer.filler_slot()
-
-        def grown(t: torch.Tensor, fill) -> torch.Tensor:
-            return padded(t, slot_dim(t), slots, fill, at)
-
-        twin = copy.copy(layer)
-        vars(twin).update(
-            keys=grown(layer.keys, 0), values=grown(layer.values, 0), positions=grown(layer.positions, 0),
-            valid=grown(layer.valid, False), extra={n: grown(t, 0) for n, t in layer.extra.items()},
-            compressed=compressed, all_valid=all_valid, heads_agree=heads_agree, _views=None)
-        twin.fillers_added(slots - layer.slots)
-        copies.append(twin)
-    return copies
