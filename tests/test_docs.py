@@ -28,7 +28,7 @@ def test_the_readmes_python_runs_as_pasted(capsys, monkeypatch):
     import sparsekv.models
 
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert len(blocks) == 2 and "CompileConfig" in blocks[1]
+    assert len(blocks) == 2 and "compile=True" in blocks[1]
     monkeypatch.setattr(sparsekv.models, "load_model", functools.cache(sparsekv.models.load_model))
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # (other tests' graphs in this process)
     for block in blocks:
