@@ -9,7 +9,7 @@ import sys
 from typing import Callable
 
 import torch
-from transformers import CompileConfig, DynamicCache, StaticCache
+from transformers import CompileConfig, DynamicCache
 
 from .cache import SparseCache
 
@@ -112,16 +112,11 @@ def new_tokens(kwargs: dict, start: int, count: int) -> dict:
             for k, v in kwargs.items()}
 
 
-def fresh_default(cache) -> bool:
-    """The empty `DynamicCache` generate makes when no cache was asked for: a `SparseCache` takes its place."""
-    return (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
-            and not getattr(cache, "offloading", False) and cache.get_seq_length() == 0)
-
-
-def fresh_static(cache) -> bool:
-    """The empty `StaticCache` generate makes in a block whose press compiles (`compile_in_block`), which a
-    compiled `SparseCache` takes the place of: its length, the prompt's and `max_new_tokens`, gives the room."""
-    return (type(cache) is StaticCache and not getattr(cache, "_is_user_defined", False)
+def fresh_default(cache, kind: type = DynamicCache) -> bool:
+    """The empty cache of type `kind` generate makes when no cache was asked for, which a `SparseCache` takes the
+    place of: a `DynamicCache`, or in a block whose press compiles a `StaticCache` (`compile_in_block`), whose
+    length, the prompt's and `max_new_tokens`, gives the compiled cache's room."""
+    return (type(cache) is kind and not getattr(cache, "_is_user_defined", False)
             and not getattr(cache, "offloading", False) and cache.get_seq_length() == 0)
 
 
@@ -131,7 +126,7 @@ def static_length(cache) -> int:
 
 
 def prompt_columns(mask, q: int):
-    """A prompt's 4D masks `(batch, 1, q, kv)` that generate built for its static cache (`fresh_static`), whose
+    """A prompt's 4D masks `(batch, 1, q, kv)` that generate built for its static cache (`fresh_default`), whose
     keys are the cache's every slot: cut to the prompt's `q` keys, the keys of the cache that replaces it. A 2D
     mask (or none) as it is."""
     if isinstance(mask, dict):
@@ -141,7 +136,7 @@ def prompt_columns(mask, q: int):
 
 def compile_in_block(press, model) -> Callable[[], None]:
     """A press's `compile`: inside its `with` block, generate makes a static cache (which a compiled `SparseCache`
-    replaces at the prompt, `fresh_static`) and so compiles its decoding steps, as it does for a static cache,
+    replaces at the prompt, `fresh_default`) and so compiles its decoding steps, as it does for a static cache,
     with the model's `compile_config` or transformers' default one, told to compile on a CPU too. transformers
     decides whether to compile from the cache it made before the first forward, so the model's generation config
     says so for the block (restored on exit), not the cache. Returns what restores it."""

@@ -15,12 +15,13 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
+from transformers import StaticCache
 
 from .architectures import check_model
 from .attention import query_projection
 from .cache import KEEP_MASK, SparseCache
 from .generation import (
-    compile_in_block, draft_length, eager_notice, fresh_default, fresh_static, pieces_after, prefill_before_draft,
+    compile_in_block, draft_length, eager_notice, fresh_default, pieces_after, prefill_before_draft,
     prefill_locals, prompt_columns, refuse_cache, static_length, verifies_draft,
 )
 from .log import logger
@@ -102,7 +103,7 @@ def _before_model(inst: Installation, module, args, kwargs):
     cache = kwargs.get(key)
     inputs = kwargs.get("input_ids", args[0] if args else None)
     shape = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape
-    if inst.press.compile and fresh_static(cache):  # generate's, for `compile`: its length is the generation's
+    if inst.press.compile and fresh_default(cache, StaticCache):  # (for `compile`: its length is the generation's)
         cache = kwargs[key] = SparseCache(inst.press, inst.model.config, compiled=True,
                                           max_new_tokens=max(static_length(cache) - shape[1], 1))
         kwargs["attention_mask"] = prompt_columns(kwargs.get("attention_mask"), shape[1])

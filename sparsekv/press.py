@@ -227,13 +227,14 @@ class Press:
         """Tokens each row keeps, `(batch,)`, for prompts of `lengths` real tokens: `budget`, or `ratio` of the
         row's prompt (rounded), and never fewer than the tokens the press always keeps (`min_kept`); None for a
         press given neither (CHESS's `read_budget`). The core sets `cache.budgets` from it once the prompt is in."""
+        asked = self._asked(lengths)
+        return None if asked is None else asked.clamp(min=self.min_kept()[0])
+
+    def _asked(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """The tokens `budget` or `ratio` asks of each row's prompt, before the floor; None when neither is set."""
         if self.budget is not None:
-            asked = torch.full_like(lengths, self.budget)
-        elif self.ratio is not None:
-            asked = (lengths.double() * self.ratio).round().long()
-        else:
-            return None
-        return asked.clamp(min=self.min_kept()[0])
+            return torch.full_like(lengths, self.budget)
+        return None if self.ratio is None else (lengths.double() * self.ratio).round().long()
 
     def row_budgets(self, cache: SparseCache, beside: int = 0) -> torch.Tensor | None:
         """`cache.budgets`, the tokens each row keeps (`prompt_budgets`), or None when there is nothing to
@@ -259,8 +260,8 @@ class Press:
                 f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "
                 f"{held} tokens the press keeps ({kept}{f' and {beside} always attended' if beside else ''})."
                 f"{after} (Said once.)"))
-        asked = (lengths.double() * self.ratio).round().long() if self.budget is None else None
-        raised = (budgets > asked) & ~whole if asked is not None else None
+        asked = self._asked(lengths)
+        raised = (budgets > asked) & ~whole if self.budget is None else None
         if raised is not None and bool(raised.any()):
             row = int(raised.int().argmax())
             say_once((type(self), "floor"), (
