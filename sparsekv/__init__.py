@@ -25,7 +25,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 # Public name -> the module that defines it.
 _WHERE = {
-    "CacheStats": ".stats", "Forward": ".forward", "KVLayer": ".layers", "SparseCache": ".cache",
+    "CacheStats": ".stats", "Context": ".context", "Forward": ".forward", "KVLayer": ".layers", "SparseCache": ".cache",
     "StoreLayer": ".store", "SparseKVPipeline": ".pipeline", "prefill_rows": ".prefill", "Press": ".press",
     "ScorerPress": ".press", "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses",
     "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
@@ -51,6 +51,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from .cache import SparseCache
+    from .context import Context
     from .forward import Forward
     from .layers import KVLayer
     from .pipeline import SparseKVPipeline

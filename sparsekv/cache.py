@@ -5,7 +5,8 @@ e.g. Gemma3's sliding ones, keep transformers' own). Everything one generation n
 per-row prompt lengths and budgets, the press's state (`state`) and, while a forward runs, that forward's
 `Forward`. So one press object serves any number of generations, concurrent ones included.
 
-The order of events of one model forward, in one place (the hooks call these methods, `Prefill` calls the same):
+The order of events of one model forward, in one place (the hooks call these methods, `Prefill` calls the same);
+each hands the press one `Context` (`sparsekv.context`), made once per layer and forward:
 
 1. `begin_forward`: a new `Forward` (its token ids, which tokens are real); at the first forward, each row's
    prompt length and start; the press's `begin_forward` (e.g. SentenceKV segments the prompt, or ranks every
@@ -15,7 +16,8 @@ The order of events of one model forward, in one place (the hooks call these met
 3. `after_queries`, once the layer projected its queries (forwards after the prompt, presses that read them):
    the press's `on_queries` (SentenceKV loads sentences); the layout the mask was built for may not change.
 4. transformers calls `update` (new tokens appended), and attention runs.
-5. `after_layer`, after its attention: the press's `compress` (the prompt) or `after_step` (later forwards).
+5. `after_layer`, after its attention: the press's `compress` (the prompt), or its `after_step` and then the
+   core's eviction by its `score_step` where a row is over its budget (later forwards).
 6. `end_forward`, after the model, with its logits: the press's `end_forward` (CHESS's uncertainty trigger);
    the `Forward` is closed.
 
@@ -37,7 +39,8 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
 from .attention import AttentionCall, query_groups
 from .buffers import step_state
-from .forward import Forward
+from .context import Context, hold_budget
+from .forward import Forward, check_inputs
 from .join import join_caches
 from .layers import KVLayer
 from .masks import check_left_padded, padding_mask, physical_mask
@@ -164,24 +167,13 @@ class SparseCache(RowState, Cache):
         valid = None  # None: every new token is real (the common case, and the fast path)
         first, piece = self.prompt_lengths is None, self.pieces is not None
         unreadable = isinstance(attention_mask, dict) or getattr(attention_mask, "ndim", None) == 4
-        if unreadable and not first and not piece and batch > 1 and q_len > 1:
-            raise ValueError("attention_mask: a compiled cache's batch cannot be continued with several tokens a row "
-                             "(generate gives it a 4D mask, in which their padding cannot be read); continue it one "
-                             "row at a time (`cache.batch_select_indices`), or use a cache made without compiled.")
+        check_inputs(self, input_ids, unreadable, q_len, batch, first, piece)
         attention_mask = padding_mask(attention_mask, first, q_len)
         if attention_mask is not None:
             valid = attention_mask[:, -q_len:].bool()
             valid = None if bool(valid.all()) else valid
             if valid is not None:
                 check_left_padded(attention_mask)
-        if first and q_len == 0:
-            raise ValueError("input_ids: the prompt is empty; give at least one token (a chat template's, or the "
-                             "tokenizer's bos_token_id).")
-        if not first and batch != self.prompt_lengths.shape[0]:
-            raise ValueError(
-                f"cache: it holds {self.prompt_lengths.shape[0]} rows and this forward has {batch}. generate expands "
-                "its inputs for num_beams or num_return_sequences, not a cache given to it: expand that cache the "
-                "same way first (`cache.batch_repeat_interleave(n)`).")
         self.forward = Forward(input_ids, valid, q_len, first=first, draft=draft, pieces_left=pieces_left,
                                continues_prompt=not first and not piece and q_len > 1 and not draft,
                                own_masks=unreadable and not first and q_len > 1)
@@ -205,12 +197,8 @@ class SparseCache(RowState, Cache):
             self.prompt_start = (seen - self.prompt_lengths).clamp(min=0)  # left padding: before the first piece
             if not pieces_left:  # the whole prompt is in
                 self.budgets = self.press.prompt_budgets(self.prompt_lengths)
-        if self.press.reads_input_ids and input_ids is None:
-            raise ValueError(f"{type(self.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
-        if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
-            raise ValueError(f"input_ids: token ids must be integers (torch.long); got {input_ids.dtype}.")
         start = clock()
-        self.press.begin_forward(self)  # its plan is press work of this step (or of the prompt)
+        self.press.begin_forward(Context(self))  # its plan is press work of this step (or of the prompt)
         self.timed("compress" if first else "step", start)
 
     def before_layer(self, module: torch.nn.Module, hidden: torch.Tensor,
@@ -220,11 +208,11 @@ class SparseCache(RowState, Cache):
         layer = self.layers[module.layer_idx]
         if not rotary(module):  # the module leaves its queries and keys as they are (a NoPE layer)
             position_embeddings = None
-        call = forward.calls[module.layer_idx] = AttentionCall(module, hidden, position_embeddings,
-                                                               forward.input_valid)
+        call = AttentionCall(module, hidden, position_embeddings, forward.input_valid)
         call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
+        ctx = forward.contexts[module.layer_idx] = Context(self, layer, call)
         if self.press.selects_before_attention:
-            self.press.before_attention(self, layer, call)
+            self.press.before_attention(ctx)
         if not layer.compressed and not forward.own_masks:
             return KEEP_MASK
         # (the config is read only when needed: its attribute reads are slow, and this runs at every layer and step)
@@ -245,15 +233,15 @@ class SparseCache(RowState, Cache):
 
     def after_queries(self, layer_idx: int, projected: torch.Tensor) -> None:
         """The layer's query projection ran: presses that read a step's queries get them (`on_queries`)."""
-        call = self.forward.calls.get(layer_idx) if self.forward is not None else None
-        if call is None or not call.capture or call.projected is not None:  # not captured, or a press's own
-            return  # projection (run from `on_queries` itself)
-        call.projected = projected
-        if not self.press.reads_step_queries:  # kept for `call.queries()` only
+        ctx = self.forward.contexts.get(layer_idx) if self.forward is not None else None
+        if ctx is None or not ctx.call.capture or ctx.call.projected is not None:  # not captured, or a press's
+            return  # own projection (run from `on_queries` itself)
+        ctx.call.projected = projected
+        if not self.press.reads_step_queries:  # kept for `ctx.queries()` only
             return
-        layer = self.layers[layer_idx]
+        layer = ctx.layer
         slots, valid = layer.slots, layer.valid
-        self.press.on_queries(self, layer, call)
+        self.press.on_queries(ctx)
         if layer.slots != slots or layer.valid is not valid:  # the mask was built for this layout
             raise RuntimeError(f"{type(self.press).__name__}.on_queries changed layer {layer_idx}'s slots or their "
                                "validity after its mask was built; rewrite what slots hold, not how many there are.")
@@ -266,20 +254,24 @@ class SparseCache(RowState, Cache):
 
     def after_layer(self, layer_idx: int) -> None:
         """After the layer's attention: the press compresses the prompt, or does its per-step work; timed."""
-        call = self.forward.calls.pop(layer_idx)
-        layer = self.layers[layer_idx]
+        ctx = self.forward.contexts.pop(layer_idx)
+        layer, press = ctx.layer, self.press
         start, kind = clock(), "compress"
         if self.pieces is not None:  # a prompt read in pieces: compressed at its last, as a whole
-            call = self.pieces.call(call)
+            ctx.call, ctx.prompt = self.pieces.call(ctx.call), True
             if self.forward.pieces_left:
-                self.press.read_piece(self, layer, call)
+                press.read_piece(ctx)
             else:
-                self.press.compress(self, layer, call)
+                press.compress(ctx)
         elif self.forward.first:  # the prompt
-            self.press.compress(self, layer, call)
+            ctx.prompt = True
+            press.compress(ctx)
         else:
-            self.press.after_step(self, layer, call)
-            if self.compiled and not self.press.holds_budget_while_decoding():
+            press.after_step(ctx)
+            holds = press.holds_budget_while_decoding()
+            if holds and press.scores_steps:  # a row over its budget evicts its lowest-scored tokens
+                hold_budget(ctx, lambda: press.score_step(ctx), press.scores_by_position)
+            if self.compiled and not holds:
                 # The step's token to a free slot: the layer keeps its shape. One layout: the first layer's slot.
                 victims = layer.keep_step_token(self.forward.victims)
                 if self.one_layout:
@@ -295,7 +287,7 @@ class SparseCache(RowState, Cache):
     def end_forward(self, logits: torch.Tensor | None) -> None:
         """After the model, with its next-token `logits` `(batch, q, vocab)` (None if it returned none)."""
         if logits is not None:
-            self.press.end_forward(self, logits)
+            self.press.end_forward(Context(self, logits=logits))
         if self.pieces is not None and not self.forward.pieces_left:
             self.pieces = None  # the prompt is read and compressed
         if self.compiled and (self.forward.first or self.forward.q_len > 1) and not self.forward.pieces_left:

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from .attention import AttentionCall
 
 
 @dataclass
@@ -21,12 +20,13 @@ class Forward:
         q_len: tokens in this forward.
         first: the cache's first forward (it holds nothing before this one's tokens): the prompt, or its first
             piece.
-        calls: per layer index, the attention call under way (from `before_layer` to `after_layer`).
+        contexts: per layer index, the layer's `Context` under way (its attention call; from `before_layer` to
+            `after_layer`).
         plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g.
             SentenceKV's sentence-closing flags) or by the first layer that needs it; None when it has none. Gone
             with the forward.
         victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer: when a
-            press's scores are the same in every layer (`Press.hold_budget`, `shared_by_layers`), or the free slot
+            press's step scores are the same in every layer (`Press.scores_by_position`), or the free slot
             of a step's token when every layer holds one layout (`SparseCache.one_layout`).
         mask: the attention mask of a decoding step's every layer when they hold one layout
             (`SparseCache.one_layout`), built at its first layer; None otherwise.
@@ -48,8 +48,31 @@ class Forward:
     draft: bool = False
     continues_prompt: bool = False
     own_masks: bool = False
-    calls: dict[int, AttentionCall] = field(default_factory=dict)
+    contexts: dict[int, Any] = field(default_factory=dict)
     plan: Any = None
     victims: torch.Tensor | None = None
     mask: Any = None
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
+
+
+def check_inputs(cache, input_ids: torch.Tensor | None, unreadable: bool, q_len: int, batch: int, first: bool,
+                 piece: bool) -> None:
+    """Refuse a forward `cache` cannot serve, before it opens (`SparseCache.begin_forward`), naming what to do.
+    `unreadable`: its attention mask is 4D (generate's for a compiled cache); `first`: the cache's first forward;
+    `piece`: a later piece of a prompt read in pieces."""
+    if unreadable and not first and not piece and batch > 1 and q_len > 1:
+        raise ValueError("attention_mask: a compiled cache's batch cannot be continued with several tokens a row "
+                         "(generate gives it a 4D mask, in which their padding cannot be read); continue it one "
+                         "row at a time (`cache.batch_select_indices`), or use a cache made without compiled.")
+    if first and q_len == 0:
+        raise ValueError("input_ids: the prompt is empty; give at least one token (a chat template's, or the "
+                         "tokenizer's bos_token_id).")
+    if not first and batch != cache.prompt_lengths.shape[0]:
+        raise ValueError(
+            f"cache: it holds {cache.prompt_lengths.shape[0]} rows and this forward has {batch}. generate expands "
+            "its inputs for num_beams or num_return_sequences, not a cache given to it: expand that cache the "
+            "same way first (`cache.batch_repeat_interleave(n)`).")
+    if cache.press.reads_input_ids and input_ids is None:
+        raise ValueError(f"{type(cache.press).__name__}: needs input_ids (it reads the tokens), not inputs_embeds.")
+    if input_ids is not None and (input_ids.is_floating_point() or input_ids.dtype == torch.bool):
+        raise ValueError(f"input_ids: token ids must be integers (torch.long); got {input_ids.dtype}.")

@@ -3,10 +3,13 @@
 A press is configuration only. Everything one generation needs lives in its `SparseCache` (layers, per-row
 budgets, `cache.state`, the `Forward` under way), so a press can be reused and two generations never share state.
 
-A press is a sequence of phases that the cache's driver calls while a forward runs (`sparsekv.cache` lists a
-forward's events in order); a press overrides the ones its method needs, and every default does nothing. `Press`
-declares them in the order they are called, after its two factories (`new_layer`, `new_state`); then what a press
-declares to the driver, and the helpers presses call.
+A press scores, or selects; the core keeps. The cache's driver calls a press's phases while a forward runs
+(`sparsekv.cache` lists a forward's events in order), each with one `sparsekv.context.Context`, what the press may
+read of that event; a press overrides the ones its method needs, and every default does nothing. The two that
+carry a scoring press's idea return scores, and the core keeps by them: `score` (`ScorerPress`: the prompt's
+tokens, of which each row and head keeps its top budget) and `score_step` (a later forward's slots, of which a row
+over its budget evicts the lowest). `Press` declares the phases in the order they are called, after its two
+factories (`new_layer`, `new_state`); then what a press declares to the driver, and the helpers presses call.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import re
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
-from .attention import AttentionCall
 from .cache import SparseCache
+from .context import Context
 from .generation import COMPILING
 from .hooks import install
 from .layers import KVLayer
@@ -47,6 +50,8 @@ class Press:
 
     Capabilities (class attributes; what the driver does for the press):
         reads_input_ids: `begin_forward` reads token ids (a forward given embeddings is refused).
+        scores_by_position: `score_step` depends on positions alone and every layer holds the same positions in
+            the same slots (StreamingLLM's): a decoding step's victims are found at its first layer, for all.
         captures_step_queries: decoding steps keep each layer's query projection (`call.projected`), so that
             `call.queries()` shapes it instead of projecting again. Implied by an `on_queries` override.
         reads_prompt_in_pieces: a prompt given in several forwards (generate's `prefill_chunk_size`) is read
@@ -69,10 +74,12 @@ class Press:
     # Options of a press that set its budget instead of ratio / budget (e.g. CHESS's preset).
     budget_options: ClassVar[tuple[str, ...]] = ()
     reads_input_ids: ClassVar[bool] = False
+    scores_by_position: ClassVar[bool] = False
     captures_step_queries: ClassVar[bool] = False
-    # Derived from the overrides (`__init_subclass__`), for the driver: whether it calls these two phases.
+    # Derived from the overrides (`__init_subclass__`), for the driver: whether it calls these three phases.
     selects_before_attention: ClassVar[bool] = False
     reads_step_queries: ClassVar[bool] = False
+    scores_steps: ClassVar[bool] = False
     reads_prompt_in_pieces: ClassVar[bool] = False
     joins_rows: ClassVar[bool] = False
     compiled_decoding: ClassVar[bool] = False
@@ -102,6 +109,7 @@ class Press:
                                 else ")."))
             setattr(cls, flag, derived)
         cls.captures_step_queries = cls.captures_step_queries or cls.reads_step_queries
+        cls.scores_steps = cls.score_step is not Press.score_step
 
     def __post_init__(self):
         name = type(self).__name__
@@ -162,38 +170,47 @@ class Press:
         return None
 
     # --- phases, in the order the driver calls them -------------------------------------------------------------
-    def begin_forward(self, cache: SparseCache) -> None:
-        """Before each model forward (`cache.forward`, the forward about to run, its token ids in
-        `forward.input_ids`); a plan that every layer of the forward shares goes to `forward.plan`."""
+    def begin_forward(self, ctx: Context) -> None:
+        """Before each model forward (`ctx.forward`, the forward about to run, its token ids in
+        `forward.input_ids`; no layer): a plan that every layer of the forward shares goes to `ctx.plan`."""
 
-    def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """Before a layer's attention, before its mask: change what the layer holds (selecting presses)."""
+    def before_attention(self, ctx: Context) -> None:
+        """Before a layer's attention, before its mask: choose what the layer reads (selecting presses)."""
 
-    def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """On forwards after the prompt, once the layer projected its queries, before attention (`call.queries()`
-        shapes them, no second projection): rewrite what slots hold, never how many there are or their validity
-        (the mask was built for them; asserted)."""
+    def on_queries(self, ctx: Context) -> None:
+        """On forwards after the prompt, once the layer projected its queries, before attention
+        (`ctx.queries()` shapes them, no second projection): rewrite what slots hold, never how many there are or
+        their validity (the mask was built for them; asserted)."""
 
-    def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+    def read_piece(self, ctx: Context) -> None:
         """After a layer's attention over a piece of a prompt read in pieces, before the last piece (whose
-        `compress` follows): `call` holds the piece's queries (`call.offset` on; `prompt_tail` more before them).
-        What the press reads of each piece goes to per-slot `layer.extra`, the press's state or the cache's."""
+        `compress` follows): `ctx.call` holds the piece's queries (`call.offset` on; `prompt_tail` more before
+        them). What the press reads of each piece goes to per-slot `layer.extra`, or the press's state."""
 
-    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """After a layer's attention over the prompt: compress it (`layer.keep` / `select` / `evict`).
-        `call` rebuilds queries and attention rows on demand."""
+    def compress(self, ctx: Context) -> None:
+        """After a layer's attention over the prompt: compress it (`ScorerPress` keeps by `score`).
+        `ctx.queries()` and `ctx.attention()` rebuild queries and attention rows on demand."""
 
-    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """After a layer's attention on each forward that follows the prompt (decoding steps): evict, rescore."""
+    def after_step(self, ctx: Context) -> None:
+        """After a layer's attention on each forward that follows the prompt (decoding steps), before the core
+        evicts by `score_step`: what the press reads of the step (H2O adds the attention each slot received)."""
 
-    def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
-        """After each model forward, with its next-token `logits` `(batch, q, vocab)`."""
+    def score_step(self, ctx: Context) -> torch.Tensor:
+        """Scores of every slot the layer holds after a forward that follows the prompt, `(batch, kv_heads,
+        slots)`: the core evicts the lowest-scored real tokens of a row over its budget (one per row and head at a
+        decoding step; the press then holds its budget while decoding, `holds_budget_while_decoding`). Called
+        only when a row is over its budget. Not overridden: every generated token is kept."""
+        raise NotImplementedError
+
+    def end_forward(self, ctx: Context) -> None:
+        """After each model forward, with its next-token logits `ctx.logits` `(batch, q, vocab)`."""
 
     # --- what the press declares to the driver, and `crop` between forwards ------------------------------------
     def holds_budget_while_decoding(self) -> bool:
         """Whether decoding steps evict to hold each row's budget (a layer then holds at most its budget and a
-        step's token); False (the default): every generated token is kept, and the cache grows."""
-        return False
+        step's token). The default: a press that scores its steps (`score_step`) does, unless `ratio=1.0` asked to
+        keep everything; another keeps every generated token, and the cache grows."""
+        return self.scores_steps and self.ratio != 1.0
 
     def min_kept(self) -> tuple[int, str]:
         """The press's floor: the fewest tokens a row keeps (its budget is never lower, and a prompt no longer is
@@ -236,10 +253,10 @@ class Press:
             return torch.full_like(lengths, self.budget)
         return None if self.ratio is None else (lengths.double() * self.ratio).round().long()
 
-    def row_budgets(self, cache: SparseCache, beside: int = 0) -> torch.Tensor | None:
-        """`cache.budgets`, the tokens each row keeps (`prompt_budgets`), or None when there is nothing to
-        compress: every row's budget, plus the `beside` tokens the press keeps besides it, covers its prompt
-        (`cache.on("budgets")` still gives them).
+    def row_budgets(self, ctx: Context, beside: int = 0) -> torch.Tensor | None:
+        """At the prompt, the tokens each row keeps `(batch,)` (`prompt_budgets`, on the CPU), or None when
+        there is nothing to compress: every row's budget, plus the `beside` tokens the press keeps besides it,
+        covers its prompt (`ctx.budgets` still gives them).
 
         A row whose prompt is no longer than its budget plus the `beside` tokens the press keeps besides it
         cannot be compressed: it is kept whole (said once per process through the `sparsekv` logger, unless
@@ -247,7 +264,7 @@ class Press:
         the row grows past it. A longer row whose `ratio` falls under the floor keeps the floor (said once too).
         """
         minimum, what = self.min_kept()
-        lengths, budgets = cache.prompt_lengths, cache.budgets
+        lengths, budgets = ctx.cache.prompt_lengths, ctx.cache.budgets
         whole = budgets + beside >= lengths
         if self.ratio != 1.0 and bool(whole.any()):
             row = int(lengths.masked_fill(~whole, -1).argmax())
@@ -270,53 +287,27 @@ class Press:
                 f"floor ({what}): it keeps {int(budgets[row])}. (Said once.)"))
         return None if bool(whole.all()) else budgets
 
-    @staticmethod
-    def hold_budget(cache: SparseCache, layer: KVLayer, scores: torch.Tensor | Callable[[], torch.Tensor],
-                    shared_by_layers: bool = False) -> None:
-        """Evict the lowest-`scores` `(batch, heads, slots)` real tokens of `layer` until each row is back within
-        its budget (`KVLayer.hold_budget`): one per row and head after a decoding step's token. `scores` may be a
-        function that returns them: it is called only when they are needed (not on a layer within its budget). The
-        tokens of a draft being verified, or of a forward of several, are never evicted while they fit the budget:
-        a rejected draft can be cropped.
-
-        `shared_by_layers`: the scores depend on position alone and every layer holds the same positions in the
-        same slots (StreamingLLM's), so a decoding step's victims are found at its first layer and serve every
-        layer (the forward keeps them): a step scores and searches once, not once a layer (given a function).
-        """
-        forward, largest = cache.forward, cache.largest_budget
-        if layer.slots <= largest:  # every row within its budget
-            return
-        score = scores if callable(scores) else lambda: scores
-        if shared_by_layers and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
-            if forward.victims is None:
-                forward.victims = layer.victims(score(), cache.on("budgets", layer.device))
-            victims = forward.victims
-            layer.evict(victims if victims.device == layer.device else victims.to(layer.device))  # (a split model)
-        else:
-            layer.hold_budget(score(), cache.on("budgets", layer.device), largest,
-                              keep_new=forward.q_len > 1 or forward.draft)
-
 
 @dataclass
 class ScorerPress(Press):
-    """A press that scores every prompt token once, at prefill, and keeps the best per KV head.
+    """A press that scores every prompt token once, at prefill, and the core keeps the best per row and KV head.
 
-    Subclasses implement `score()`; the budget, padding and the kept layout are handled here.
+    Subclasses implement `score(ctx)`, and `score_step(ctx)` to evict while decoding; the budget, padding and the
+    kept layout are the core's.
     """
 
     joins_rows: ClassVar[bool] = True  # what it keeps is its layers' slots, per row
 
-    def score(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
+    def score(self, ctx: Context) -> torch.Tensor:
         """Importance of each prompt token, `(batch, kv_heads, prompt)`; higher is kept first, +inf always."""
         raise NotImplementedError
 
-    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        budgets = self.row_budgets(cache)
+    def compress(self, ctx: Context) -> None:
+        budgets = self.row_budgets(ctx)
         if budgets is None:  # every prompt kept whole
             return
-        scores = self.score(cache, layer, call)
-        scores = scores.masked_fill(~layer.valid, float("-inf"))
-        layer.keep(scores, budgets)
+        scores = self.score(ctx).masked_fill(~ctx.valid, float("-inf"))  # padding never kept
+        ctx.layer.keep(scores, budgets)
 
 
 def check_compiled(press, layers: list, max_new_tokens: int | None) -> None:

@@ -46,6 +46,11 @@ class RowState:
             vars(out)[name] = value if name in first.shared_state else _join(values, where)
         return out
 
+    def event_counts(self) -> dict[str, int]:
+        """Press events this state counts per row (on the device, so that a step reads nothing on the host), by
+        kind: `SparseCache.stats` adds them to the cache's own counts. None by default."""
+        return {}
+
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor held (per row or shared), recursively: what memory accounting counts."""
         for value in vars(self).values():

@@ -85,7 +85,7 @@ def cache_stats(cache) -> CacheStats:
         bytes_by_device=dict(by_device),
         seconds=dict(cache.seconds),
         offloaded_bytes=offloaded,
-        counts=dict(cache.counts),
+        counts=event_counts(cache),
         layer_jaccard=layer_jaccard(cache),
     )
 
@@ -143,3 +143,11 @@ def distinct(tensors) -> list[torch.Tensor]:
             seen.add(key)
             held.append(t)
     return held
+
+
+def event_counts(cache) -> dict[str, int]:
+    """Press events by kind: the cache's counts and those the press's state keeps per row (`RowState.event_counts`)."""
+    counts = dict(cache.counts)
+    for kind, n in (cache.state.event_counts() if isinstance(cache.state, RowState) else {}).items():
+        counts[kind] = counts.get(kind, 0) + n
+    return counts

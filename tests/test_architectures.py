@@ -126,10 +126,10 @@ class AttentionProbe(Press):
 
     rebuilt: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def compress(self, cache, layer, call):
-        n = layer.keys.shape[-2]
-        probs = call.prefill_probs(layer.keys, 0, n)  # (batch, kv_heads, group, q, k)
-        self.rebuilt[call.module.layer_idx] = probs.reshape(probs.shape[0], -1, n, n)
+    def compress(self, ctx):
+        n = ctx.keys.shape[-2]
+        probs = ctx.attention(0, n)  # (batch, kv_heads, group, q, k)
+        self.rebuilt[ctx.layer_idx] = probs.reshape(probs.shape[0], -1, n, n)
 
 
 def greedy(model, ids, **kwargs):

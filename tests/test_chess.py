@@ -7,10 +7,16 @@ import torch
 from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import CHESSPress, StoreLayer, make_press
+from sparsekv.context import Context
 from sparsekv.presses.chess import PRESETS, uncertainty
 from sparsekv.presses.chess_pages import pad_columns
 
 B = 8  # page size of the tests
+
+
+def selections(cache) -> int:
+    """The selections a CHESS cache's rows made (their prompts' included)."""
+    return cache.stats().counts["selections"]
 
 
 def chess(**kw):
@@ -248,7 +254,7 @@ def test_working_context_is_sinks_selected_window_and_partial_page_and_is_shared
                 assert torch.equal(layer.positions, layers[0].positions)  # one selection for every layer
                 # sink + selected + window + partial page (invalid slots past its end), + tokens since the rebuild
                 assert layer.keys.shape[-2] <= (1 + len(selected) + 2 + 2) * B  # does not grow
-            assert cache.counts["selections"] == 1  # reselect="never": the first decoding step's only
+            assert selections(cache) == 1  # reselect="never": the first decoding step's only
 
 
 def test_working_context_holds_the_stored_keys():
@@ -301,16 +307,16 @@ def test_reselection_happens_exactly_when_both_thresholds_are_crossed():
     press = chess(preset="moderate", entropy_threshold=entropy - 0.01, varentropy_threshold=varentropy - 0.01)
     with press(model):
         cache = model(prompt(60)).cache
-        assert cache.counts["selections"] == 1  # always after the prompt
+        assert selections(cache) == 1  # always after the prompt
         for logits, selects in [(calm, False), (mixed, True), (uniform, False), (calm, False), (mixed, True)]:
-            before = cache.counts["selections"]
-            press.end_forward(cache, logits)
-            assert cache.counts["selections"] - before == int(selects)
+            before = selections(cache)
+            press.end_forward(Context(cache, logits=logits))
+            assert selections(cache) - before == int(selects)
     strict = chess(preset="moderate", entropy_threshold=entropy + 0.01, varentropy_threshold=0.0)
     with strict(model):
         cache = model(prompt(60)).cache
-        strict.end_forward(cache, mixed)
-        assert cache.counts["selections"] == 1
+        strict.end_forward(Context(cache, logits=mixed))
+        assert selections(cache) == 1
 
 
 def test_reselect_every_n_steps_and_always():
@@ -321,7 +327,7 @@ def test_reselect_every_n_steps_and_always():
         with press(model):
             for cache in decode(model, prompt(70), 20):
                 pass
-        assert cache.counts["selections"] == expected, press
+        assert selections(cache) == expected, press
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -351,11 +357,11 @@ def test_a_continued_prompt_is_read_densely_and_selected_for_as_one_prompt(padde
         selected, at_once_selected = cache.state.selected, at_once.state.selected  # (grids of their page sums)
         width = max(selected.shape[1], at_once_selected.shape[1])
         assert torch.equal(pad_columns(selected, width), pad_columns(at_once_selected, width))
-        assert cache.counts["selections"] == 4  # the context's and the question's, one per row
+        assert selections(cache) == 4  # the context's and the question's, one per row
 
         cache = model(context, attention_mask=mask[:, :n]).cache
         model(token, cache=cache, attention_mask=mask[:, :n + 1])
-        assert cache.counts["selections"] == 2 and all(layer.compressed for layer in chess_layers(cache))
+        assert selections(cache) == 2 and all(layer.compressed for layer in chess_layers(cache))
         assert max(cache.stats().attended_tokens) < n  # the step read the working context
     stored = DynamicCache(config=model.config)
     for i, layer in enumerate(chess_layers(cache)):
@@ -363,11 +369,11 @@ def test_a_continued_prompt_is_read_densely_and_selected_for_as_one_prompt(padde
     reference = model(question, cache=stored, attention_mask=mask).logits
     with press(model):
         continued = model(question, cache=cache, attention_mask=mask).logits
-        assert cache.counts["selections"] == 4
+        assert selections(cache) == 4
         # A draft being verified (generate asks for the logits of all its tokens) is decoding, not a prompt.
         draft = torch.cat([mask, torch.ones(2, 4, dtype=torch.long, device=DEVICE)], dim=1)
         model(question[:, :4], cache=cache, attention_mask=draft, logits_to_keep=4)
-        assert cache.counts["selections"] == 4 and all(layer.compressed for layer in chess_layers(cache))
+        assert selections(cache) == 4 and all(layer.compressed for layer in chess_layers(cache))
     torch.testing.assert_close(continued, reference, rtol=1e-4, atol=1e-4)
 
 

@@ -167,6 +167,25 @@ def test_generate_compiles_the_decoding_steps(press, batch):
     assert not aliased, f"inputs over one storage: {aliased}"
 
 
+@pytest.mark.parametrize("press", CHESS, ids=label)
+@torch.no_grad()
+def test_a_compiled_chess_generation_counts_its_selections_as_an_eager_one(press):
+    """CHESS counts the selections its rows take in one place, on the device, eagerly and compiled: a compiled
+    generation's `stats()` has its steps' selections (every step's under `reselect="always"`, every other step's
+    under `reselect_every=2`), as many as the eager generation's."""
+    model, ids = make_model("llama"), prompt(64)
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            eager, compiled = press.make_cache(model), compiled_cache(model, press)
+            greedy(model, ids, None, new=8, cache=eager)
+            greedy(model, ids, None, new=8, cache=compiled, compile_config=counting_config())
+    finally:
+        torch._dynamo.reset()
+    expected = 1 + (7 if press.reselect == "always" else 3)  # the prompt's, then the 7 steps' triggers
+    assert eager.stats().counts["selections"] == compiled.stats().counts["selections"] == expected
+
+
 @pytest.mark.parametrize("press", [StreamingLLMPress(budget=68, window_size=1),
                                    StreamingLLMPress(ratio=1.0, window_size=1), H2OPress(budget=68, window_size=1),
                                    SnapKVPress(budget=80, window_size=8)], ids=["StreamingLLM", "StreamingLLM-1.0",

@@ -12,21 +12,24 @@ from sparsekv.press import Press, ScorerPress
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESSES = ROOT / "sparsekv" / "presses"
-NAMED = {"cache", "layer", "call", "forward"}  # what the phases' arguments are called in every press file
+NAMED = {"ctx", "cache", "layer", "call", "forward"}  # the phases' argument, and the core objects, in press files
 # The helpers a press inherits (not the phases and factories it overrides).
 PHASES = {"new_layer", "new_state", "begin_forward", "before_attention", "on_queries", "compress", "after_step",
-          "end_forward", "crop", "read_piece", "prompt_tail", "min_kept", "score", "label", "make_cache",
-          "holds_budget_while_decoding"}
+          "end_forward", "crop", "read_piece", "prompt_tail", "min_kept", "score", "score_step", "label",
+          "make_cache", "holds_budget_while_decoding"}
 HELPERS = {name for cls in (Press, ScorerPress) for name, value in vars(cls).items()
            if not name.startswith("_") and name not in PHASES
            and (callable(value) or isinstance(value, (staticmethod, classmethod)))}
 
 
 def kind(node: ast.AST) -> str | None:
-    """Which core object an expression of a press file stands for: a phase argument by its name, the forward
-    reached through the cache, a layer taken from the cache's (or a local `layers`) list."""
+    """Which core object an expression of a press file stands for: the phases' context or a core object by its
+    name, a core object reached through the context (`ctx.layer`), the forward reached through the cache, a layer
+    taken from the cache's (or a local `layers`) list."""
     if isinstance(node, ast.Name):
         return node.id if node.id in NAMED else None
+    if isinstance(node, ast.Attribute) and node.attr in NAMED - {"ctx"} and kind(node.value) == "ctx":
+        return node.attr
     if isinstance(node, ast.Attribute) and node.attr == "forward" and kind(node.value) == "cache":
         return "forward"
     if isinstance(node, ast.Subscript):
@@ -77,7 +80,7 @@ def documented() -> set[str]:
     """The names listed under "What a press reads of the core"."""
     page = (ROOT / "docs" / "writing-a-press.md").read_text()
     section = page.split("## What a press reads of the core", 1)[1].split("\n## ", 1)[0]
-    names = {f"{obj}.{name}" for obj, name in re.findall(r"`(cache|layer|call|forward)\.(\w+)", section)}
+    names = {f"{obj}.{name}" for obj, name in re.findall(r"`(ctx|cache|layer|call|forward)\.(\w+)", section)}
     names |= {f"sparsekv.{name}" for name in re.findall(r"`sparsekv\.(\w+\.\w+)`", section)}
     return names | {f"Press.{name}" for name in re.findall(r"`(?:self|Press)\.(\w+)", section)}
 
@@ -106,10 +109,11 @@ def test_the_counts_the_page_gives_are_the_names_it_lists():
 
 @pytest.mark.parametrize("source, expected", [
     ("def f(cache, layer):\n    cache.forward.plan = layer.keys\n", {"cache.forward", "forward.plan", "layer.keys"}),
+    ("def f(ctx):\n    ctx.layer.extra\n    ctx.keys\n    ctx.cache.counts\n    ctx.call.module\n",
+     {"ctx.layer", "layer.extra", "ctx.keys", "ctx.cache", "cache.counts", "ctx.call", "call.module"}),
     ("def f(cache):\n    cache.layers[0].store_keys\n    cache.compressed_layers()[-1].slots\n",
      {"cache.layers", "cache.compressed_layers", "layer.store_keys", "layer.slots"}),
-    ("def f(self, cache, layer, s):\n    self.hold_budget(cache, layer, s)\n    self.window_size\n",
-     {"Press.hold_budget"}),
+    ("def f(self, ctx, s):\n    self.row_budgets(ctx, s)\n    self.window_size\n", {"Press.row_budgets"}),
     (("from ..attention import rotate, query_norm\nfrom .snapkv import SnapKVPress\nfrom ..presses import x\n"
       "from sparsekv.store import offloaded\nfrom sparsekv.presses.h2o import H2OPress\nfrom torch import nn\n"),
      {"sparsekv.attention.rotate", "sparsekv.attention.query_norm", "sparsekv.store.offloaded"}),

@@ -263,8 +263,8 @@ def test_a_custom_scorer_press_as_in_the_readme():
 
     @dataclass
     class KeyNormPress(ScorerPress):
-        def score(self, cache, layer, call):
-            return -layer.keys.norm(dim=-1)
+        def score(self, ctx):
+            return -ctx.keys.norm(dim=-1)
 
     model = make_model("llama")
     ids = (torch.randperm(250, generator=torch.Generator().manual_seed(0))[:40] + 3)[None].to(DEVICE)  # no ties
@@ -427,18 +427,17 @@ def test_h2o_keeps_and_scores_alike_under_eager_and_sdpa(padded):
 
 @torch.no_grad()
 def test_victims_shared_by_layers_are_found_once_a_step_and_are_each_layers_own(monkeypatch):
-    """StreamingLLM's scores depend on position alone, so `hold_budget(..., shared_by_layers=True)` finds a
+    """StreamingLLM's scores depend on position alone (`scores_by_position`), so the core finds a
     decoding step's victims at its first layer and evicts them from every layer: the same tokens, the same
     slots and the same logits as finding them layer by layer, with one search and one scoring a step instead of
     one a layer."""
     class LayerByLayer(StreamingLLMPress):
-        def after_step(self, cache, layer, call):
-            self.hold_budget(cache, layer, self.recency(cache, layer))
+        scores_by_position: ClassVar[bool] = False
 
     searches, scorings = [], []
-    victims, recency = KVLayer.victims, StreamingLLMPress.recency
+    victims, score = KVLayer.victims, StreamingLLMPress.score
     monkeypatch.setattr(KVLayer, "victims", lambda layer, *a: searches.append(1) or victims(layer, *a))
-    monkeypatch.setattr(StreamingLLMPress, "recency", lambda press, *a: scorings.append(1) or recency(press, *a))
+    monkeypatch.setattr(StreamingLLMPress, "score", lambda press, *a: scorings.append(1) or score(press, *a))
     model, ids = make_model("llama"), prompt(48, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # a left-padded row: its sinks start later
@@ -597,8 +596,8 @@ def test_decoding_queries_are_the_layers_own_projection_not_a_second_one(arch):
 
     @dataclass
     class QueryReader(SnapKVPress):
-        def on_queries(self, cache, layer, call):
-            seen.append((call.projected is not None, call.queries(), call, layer.logical_len))
+        def on_queries(self, ctx):
+            seen.append((ctx.call.projected is not None, ctx.queries(), ctx.call, ctx.layer.logical_len))
 
     model = make_model(arch)
     targets = [m for m in model.modules() if hasattr(m, "layer_idx") and query_projection(m) is not None]

@@ -61,7 +61,7 @@ def tiny_press(cls, **budget) -> Press:
 
 def acts_while_decoding(cls) -> bool:
     """Whether a press does anything after the prompt (else it compresses the prompt only)."""
-    phases = ("begin_forward", "before_attention", "on_queries", "after_step", "end_forward")
+    phases = ("begin_forward", "before_attention", "on_queries", "after_step", "score_step", "end_forward")
     return any(getattr(cls, m) is not getattr(Press, m) for m in phases)
 
 
@@ -297,8 +297,8 @@ def test_a_press_that_cannot_read_a_prompt_in_pieces_refuses_it():
     option, rather than compress the first piece alone; a prompt in one piece runs."""
     @dataclasses.dataclass(kw_only=True)
     class Oldest(ScorerPress):
-        def score(self, cache, layer, call):
-            return -layer.positions.float()
+        def score(self, ctx):
+            return -ctx.positions.float()
 
     model = make_model("llama")
     with Oldest(ratio=0.25)(model):
@@ -446,11 +446,11 @@ def test_capabilities_follow_the_overrides():
     """The phases a press overrides are the ones the driver calls; a hand-made flag that disagrees is refused,
     naming the one to use."""
     class Selects(Press):
-        def before_attention(self, cache, layer, call):
+        def before_attention(self, ctx):
             pass
 
     class Reads(Press):
-        def on_queries(self, cache, layer, call):
+        def on_queries(self, ctx):
             pass
 
     class Captures(Press):
@@ -468,13 +468,15 @@ def test_capabilities_follow_the_overrides():
 def test_query_time_selection_may_not_change_the_layout():
     @dataclasses.dataclass(kw_only=True)
     class Shrinks(SnapKVPress):
-        def on_queries(self, cache, layer, call):
+        def on_queries(self, ctx):
+            layer = ctx.layer
             layer.select(torch.zeros(*layer.positions.shape[:2], 3, dtype=torch.long, device=layer.positions.device),
                          torch.ones(layer.valid.shape[0], 3, dtype=torch.bool, device=layer.valid.device))
 
     @dataclasses.dataclass(kw_only=True)
     class Revalidates(SnapKVPress):  # as many slots, a new validity
-        def on_queries(self, cache, layer, call):
+        def on_queries(self, ctx):
+            layer = ctx.layer
             idx = torch.arange(layer.slots, device=layer.positions.device).expand(*layer.positions.shape[:2], -1)
             layer.select(idx, layer.valid.clone())
 

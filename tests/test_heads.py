@@ -21,16 +21,16 @@ class HeadBudgetPress(ScorerPress):
 
     shares: tuple[float, ...] = (1.0, 1.0)
 
-    def score(self, cache, layer, call):
-        return layer.keys.float().norm(dim=-1)
+    def score(self, ctx):
+        return ctx.keys.float().norm(dim=-1)
 
-    def compress(self, cache, layer, call):
-        budgets = self.row_budgets(cache)
+    def compress(self, ctx):
+        budgets = self.row_budgets(ctx)
         if budgets is None:
             return
         share = torch.tensor(self.shares, device=budgets.device)
-        scores = self.score(cache, layer, call).masked_fill(~layer.valid, float("-inf"))
-        layer.keep(scores, (budgets[:, None] * share).round().long())
+        scores = self.score(ctx).masked_fill(~ctx.valid, float("-inf"))
+        ctx.layer.keep(scores, (budgets[:, None] * share).round().long())
 
 
 @dataclass

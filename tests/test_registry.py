@@ -68,8 +68,8 @@ def dummy_distribution(tmp_path, monkeypatch):
         class KeyNormPress(ScorerPress):
             """Keep the tokens whose keys have the smallest norm."""
 
-            def score(self, cache, layer, call):
-                return -layer.keys.norm(dim=-1)
+            def score(self, ctx):
+                return -ctx.keys.norm(dim=-1)
     '''))
     info = tmp_path / "dummy_sparsekv_press-0.1.dist-info"
     info.mkdir()

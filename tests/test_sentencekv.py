@@ -13,6 +13,7 @@ from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import KVLayer, SentenceKVPress, SentencePress, SparseCache
 from sparsekv.attention import project_queries, rotate
+from sparsekv.context import Context
 from sparsekv.buffers import GROW
 from sparsekv.presses.sentence_segment import sentence_ids
 from sparsekv.presses.sentence_state import SentenceState
@@ -94,7 +95,7 @@ LAYER0 = SimpleNamespace(module=SimpleNamespace(layer_idx=0))  # what `after_ste
 def fake_call(queries):
     """What `on_queries` reads from layer 0's attention call: this step's queries and their validity."""
     valid = torch.ones(queries.shape[0], queries.shape[2], dtype=torch.bool)
-    return SimpleNamespace(queries=lambda grouped=False: queries, valid=lambda: valid,
+    return SimpleNamespace(queries=lambda start=0, end=None, grouped=False: queries, valid=lambda: valid,
                            module=SimpleNamespace(layer_idx=0))
 
 
@@ -154,17 +155,17 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     p = press(budget=4, rank_at="layer")  # 4 loaded slots, ranked at each query
     (layer, cache), d = two_sentence_layer(p), 4
     toward = lambda i: torch.eye(d)[i].view(1, 1, 1, d)  # noqa: E731
-    p.on_queries(cache, layer, fake_call(toward(0)))
+    p.on_queries(Context(cache, layer, fake_call(toward(0))))
     assert loaded_positions(layer, 4) == [100, 101, 102, 103]
-    p.after_step(cache, layer, LAYER0)
-    p.on_queries(cache, layer, fake_call(2 * toward(1)))  # the mean of e0 and 2 e1 still leans to e1
+    p.after_step(Context(cache, layer, LAYER0))
+    p.on_queries(Context(cache, layer, fake_call(2 * toward(1))))  # the mean of e0 and 2 e1 still leans to e1
     assert loaded_positions(layer, 4) == [104, 105, 106, 107] and cache.counts["loads"] == 1
-    p.on_queries(cache, layer, fake_call(toward(1)))  # same selection: nothing loaded
+    p.on_queries(Context(cache, layer, fake_call(toward(1))))  # same selection: nothing loaded
     assert cache.counts["loads"] == 1 and cache.counts["selections"] == 3 and cache.counts["loaded_tokens"] == 4
     cache.forward.plan = torch.tensor([True])  # the step's token ends a sentence
-    p.after_step(cache, layer, LAYER0)  # the sentence ended: a fresh mean query
+    p.after_step(Context(cache, layer, LAYER0))  # the sentence ended: a fresh mean query
     assert not ranking(cache, 0).query_sum.any()
-    p.on_queries(cache, layer, fake_call(0.1 * toward(0)))
+    p.on_queries(Context(cache, layer, fake_call(0.1 * toward(0))))
     assert loaded_positions(layer, 4) == [100, 101, 102, 103]
 
 
@@ -173,10 +174,10 @@ def test_only_tokens_entering_the_selection_are_copied():
     tokens kept by both selections stay in their slots; the 2 that enter take the slots of the 2 that leave."""
     p = press(budget=6, rank_at="layer")
     layer, cache = two_sentence_layer(p, fill=6, loaded=6)
-    p.on_queries(cache, layer, fake_call(torch.eye(4)[0].view(1, 1, 1, 4)))
+    p.on_queries(Context(cache, layer, fake_call(torch.eye(4)[0].view(1, 1, 1, 4))))
     assert loaded_positions(layer, 6) == [100, 101, 102, 103, 104, 105]
     before = layer.positions[0, 0, :6].clone()
-    p.on_queries(cache, layer, fake_call(3 * torch.eye(4)[1].view(1, 1, 1, 4)))
+    p.on_queries(Context(cache, layer, fake_call(3 * torch.eye(4)[1].view(1, 1, 1, 4))))
     assert loaded_positions(layer, 6) == [100, 101, 104, 105, 106, 107]
     stayed = torch.isin(before, torch.tensor([100, 101, 104, 105]))
     assert torch.equal(layer.positions[0, 0, :6][stayed], before[stayed])  # not moved
@@ -186,7 +187,7 @@ def test_only_tokens_entering_the_selection_are_copied():
 def test_a_row_filling_fewer_slots_loads_its_best_tokens_and_leaves_the_filler():
     p = press(budget=4, rank_at="layer")
     layer, cache = two_sentence_layer(p, fill=3)
-    p.on_queries(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4)))
+    p.on_queries(Context(cache, layer, fake_call(torch.eye(4)[1].view(1, 1, 1, 4))))
     assert loaded_positions(layer, 3) == [104, 105, 106]  # sentence 1's first three tokens
     assert layer.positions[0, 0, 3] == 3 and not layer.keys[0, 0, 3].any()  # the filler slot is never written
 
@@ -229,15 +230,15 @@ class RankedBeforeTheQuery(SentencePress):
 
     rank_at: str = "layer"  # the per-layer path, changed here
 
-    def on_queries(self, cache, layer, call):
-        stack, rank = cache.state.find(call.module.layer_idx)
+    def on_queries(self, ctx):
+        stack, rank = ctx.state.find(ctx.layer_idx)
         state = stack.at(rank)
         chosen = self.chosen(state)
         empty = (state.query_sum == 0).flatten(1).all(1)
-        load(layer, stack, rank, torch.where(empty[:, None, None], state.resident, chosen))
-        queries = call.queries(grouped=True).float()
-        if cache.forward.input_valid is not None:
-            queries = queries * cache.forward.input_valid[:, None, :, None]
+        load(ctx.layer, stack, rank, torch.where(empty[:, None, None], state.resident, chosen))
+        queries = ctx.queries(grouped=True).float()
+        if ctx.forward.input_valid is not None:
+            queries = queries * ctx.forward.input_valid[:, None, :, None]
         state.query_sum += queries.sum(dim=2, keepdim=True)
 
 

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..attention import AttentionCall
 from ..cache import SparseCache
-from ..layers import KVLayer
+from ..context import Context
 from ..press import Press
 from ..store import StoreLayer
 from .chess_options import PRESETS, settle_options
@@ -136,23 +135,24 @@ class CHESSPress(Press):
         ranks = [i for i, layer in enumerate(cache.layers) if isinstance(layer, StoreLayer)]
         return CHESSState(columns={i: r for r, i in enumerate(ranks)})
 
-    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        state, i = cache.state, call.module.layer_idx
-        accumulate(self, cache, layer, i, 0, call.position_embeddings)
-        state.summed = layer.logical_len
-        if call.position_embeddings is None:
+    def compress(self, ctx: Context) -> None:
+        state, i, rope = ctx.state, ctx.layer_idx, ctx.call.position_embeddings
+        accumulate(self, ctx.cache, ctx.layer, i, 0, rope)
+        state.summed = ctx.layer.logical_len
+        if rope is None:
             state.unrotated.add(i)
         elif state.rope_layer in (None, i):
-            state.rope_layer, state.last_rope = i, call.position_embeddings
+            state.rope_layer, state.last_rope = i, rope
 
-    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        state = cache.state
-        if self.pre_rope and call.module.layer_idx == state.rope_layer:  # the rotary layers share the table
+    def after_step(self, ctx: Context) -> None:
+        state = ctx.state
+        if self.pre_rope and ctx.layer_idx == state.rope_layer:  # the rotary layers share the table
+            rope = ctx.call.position_embeddings
             if state.context is not None:  # a compiled cache's step sums its keys now (`end_step`)
-                cache.forward.plan = call.position_embeddings
+                ctx.plan = rope
                 return
-            state.rope.append(call.position_embeddings)
-            state.last_rope = call.position_embeddings
+            state.rope.append(rope)
+            state.last_rope = rope
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its keys leave the page sums and their RoPE is forgotten (`take_back`), and a working
@@ -168,8 +168,8 @@ class CHESSPress(Press):
             start = cache.on("prompt_start", state.next_context[0].device)
             state.next_context = self.working_context(state.selected, length - start, start)
 
-    def end_forward(self, cache: SparseCache, logits: torch.Tensor) -> None:
-        state = cache.state
+    def end_forward(self, ctx: Context) -> None:
+        state, cache, logits = ctx.state, ctx.cache, ctx.logits
         state.next_context = None  # the forward's layers gathered it
         if state.page_sums is None:
             return
@@ -194,7 +194,7 @@ class CHESSPress(Press):
             fresh = self.blocks_of(self.select(state.page_sums, lengths)[-1])
             state.selected = fresh if state.selected is None else torch.where(
                 trigger[:, None], fresh, pad_columns(state.selected, fresh.shape[1]))
-            cache.counts["selections"] += int(trigger.sum())
+            state.selections = trigger.long() if state.selections is None else state.selections + trigger
         if cache.compiled:  # after a prompt: the steps' fixed shapes, and the first one's working set
             plan_steps(self, cache, lengths)
             return
@@ -311,8 +311,8 @@ class CHESSPress(Press):
         (`width`: as many blocks, a compiled step's; None: as many as the widest row attends)."""
         return working_context(self, selected, lengths, prompt_start, width)
 
-    def begin_forward(self, cache: SparseCache) -> None:
-        forward, state = cache.forward, cache.state
+    def begin_forward(self, ctx: Context) -> None:
+        forward, state, cache = ctx.forward, ctx.state, ctx.cache
         if state.context is not None and forward.q_len > 1 and not forward.continues_prompt:
             raise ValueError("CHESSPress: a compiled cache decodes one token a step, and this forward verifies a "
                              "draft of several (assisted decoding, prompt lookup); make the cache without "
@@ -322,12 +322,12 @@ class CHESSPress(Press):
                 state.summed, state.context = cache.layers[next(iter(state.columns))].logical_len, None
             read_stores(cache)
 
-    def before_attention(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        state = cache.state
+    def before_attention(self, ctx: Context) -> None:
+        state = ctx.state
         if state.context is not None:  # a compiled cache's step: its working context, gathered at every step
-            layer.gather_in_place(*state.context)
+            ctx.layer.gather_in_place(*state.context)
         elif state.next_context is not None:  # made after the last forward (`end_forward`)
-            layer.gather(*state.next_context)
+            ctx.layer.gather(*state.next_context)
 
     @torch.no_grad()
     def calibrate(self, model: torch.nn.Module, tokenizer: Any, texts: list[str], percentile: float = 99.0,

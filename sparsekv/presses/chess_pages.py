@@ -34,8 +34,8 @@ class CHESSState(RowState):
         most, reach: a compiled cache's `(batch,)` most blocks a selection holds (`chess_steps.most_selected`)
             and the positions its steps may write (below `reach`: the prompt's and `max_new_tokens`); its
             working context's width is `context`'s.
-        selections: a compiled cache's `(batch,)` selections made by its decoding steps, counted on the device
-            (an eager step counts its own in `cache.counts["selections"]`, with the prompts' ones).
+        selections: `(batch,)` the selections each row made (Algorithm 1 run and taken), its prompts' included,
+            counted on the device by eager and compiled steps alike; `stats().counts["selections"]` sums them.
         summed: store slots already added to `page_sums`; the decoded tokens after them are added when page
             vectors are next read (at a selection), all layers at once, instead of layer by layer at every step.
         rope: the `(cos, sin)` of each decoding step since `summed`, to undo RoPE on those keys (`pre_rope`).
@@ -54,6 +54,9 @@ class CHESSState(RowState):
     most: torch.Tensor | None = None
     reach: torch.Tensor | None = None
     selections: torch.Tensor | None = None
+
+    def event_counts(self) -> dict[str, int]:
+        return {} if self.selections is None else {"selections": int(self.selections.sum())}
     summed: int = 0
     rope: list = field(default_factory=list)
     last_rope: tuple[torch.Tensor, torch.Tensor] | None = None

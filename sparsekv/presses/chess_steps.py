@@ -16,8 +16,8 @@ What differs from an eager step, and why:
 - The step's keys join the page sums at once, every layer in one add, where the eager step sums them when a
   selection reads the sums (`catch_up`); added in the same order, so the sums are the same.
 - Algorithm 1 runs at every step, and its selection is taken in the rows whose uncertainty trigger fires
-  (`torch.where`), where the eager step reads the trigger on the host and selects only then. The counts of
-  selections stay on the device (`CHESSState.selections`).
+  (`torch.where`), where the eager step reads the trigger on the host and selects only then. Both count the
+  selections taken on the device (`CHESSState.selections`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ def plan_steps(press, cache, lengths: torch.Tensor) -> None:
     slots, valid, _ = press.working_context(state.selected, lengths, cache.on("prompt_start", lengths.device),
                                             min(reachable, always + most))
     state.context, state.next_context = (slots, valid), None
-    if state.selections is None:  # (a continued prompt plans the steps again: the counts go on)
-        state.selections = torch.zeros_like(lengths)
     for layer in layers:
         layer.gather(slots, valid, all_valid=False)  # (masked every step: which slots are real changes)
 

@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall
 from ..cache import SparseCache
+from ..context import Context
 from ..layers import KVLayer
 from ..options import check_number
 from ..state import RowState
@@ -21,7 +21,7 @@ class ChunkState(RowState):
     """Per generation: each compressed layer's group leader, and the leader's selection for its group."""
 
     leader: dict[int, int]  # layer index -> index of the first layer of its reuse group
-    selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # leader -> (scores, kept)
+    selection: dict[int, torch.Tensor] = field(default_factory=dict)  # leader -> its scores (batch, 1, prompt)
 
 
 @dataclass(kw_only=True)
@@ -73,21 +73,17 @@ class ChunkPress(SnapKVPress):
         leader = {i: compressed[rank - rank % self.reuse_layers] for rank, i in enumerate(compressed)}
         return ChunkState(leader)
 
-    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        budgets = self.row_budgets(cache)
-        if budgets is None:  # every prompt kept whole
-            return
-        state, i = cache.state, call.module.layer_idx
+    def score(self, ctx: Context) -> torch.Tensor:
+        state, i = ctx.state, ctx.layer_idx
         if state.leader[i] == i:
-            state.selection[i] = self.select_chunks(self.window_scores(cache, layer, call), layer.valid[:, 0],
-                                                    cache.on("prompt_start", layer.keys.device), budgets)
-        scores, kept = state.selection[state.leader[i]]
-        layer.keep(scores.expand(-1, layer.keys.shape[1], -1), kept)
+            state.selection[i] = self.select_chunks(self.window_scores(ctx), ctx.valid[:, 0], ctx.prompt_start,
+                                                    ctx.budgets)
+        return state.selection[state.leader[i]].expand(-1, ctx.keys.shape[1], -1)
 
     def select_chunks(self, scores: torch.Tensor, valid: torch.Tensor, start: torch.Tensor,
-                      budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token scores `(batch, 1, prompt)` that keep exactly the chosen chunks and the window, and how many
-        tokens each row keeps `(batch,)`.
+                      budgets: torch.Tensor) -> torch.Tensor:
+        """Token scores `(batch, 1, prompt)` finite for exactly the chosen chunks and the window (-inf for the
+        rest), so that the core keeps them and no other token: they fit each row's budget.
 
         `scores` `(batch, kv_heads, prompt)` from `window_scores`; `valid` `(batch, prompt)`; `start` `(batch,)`
         each row's first real token; `budgets` `(batch,)` tokens kept, window included.
@@ -113,4 +109,4 @@ class ChunkPress(SnapKVPress):
         out = torch.full((b, 1, n), float("inf"), device=device)
         out[:, 0, m:] = out[:, 0, m:].masked_fill(~window, float("-inf"))
         out[:, 0, :m] = torch.where(keep, 0.0, float("-inf"))
-        return out, keep.sum(-1) + window.sum(-1)
+        return out

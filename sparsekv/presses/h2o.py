@@ -7,15 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall
-from ..cache import SparseCache
-from ..layers import KVLayer
+from ..context import Context
 from ..options import check_number
-from ..press import Press
+from ..press import ScorerPress
 
 
 @dataclass(kw_only=True)
-class H2OPress(Press):
+class H2OPress(ScorerPress):
     """Keep heavy hitters (tokens that received the most attention) and the most recent tokens.
 
     Scores are the attention each token has received, accumulated over every query so far (all prompt
@@ -48,7 +46,6 @@ class H2OPress(Press):
     window_size: int = 64
     block_size: int = 256
     captures_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row
-    joins_rows: ClassVar[bool] = True  # its scores follow their slots (`extra`)
     compiled_decoding: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -65,10 +62,7 @@ class H2OPress(Press):
         """The floor: the recent window, kept at every step."""
         return self.window_size, f"window_size={self.window_size}"
 
-    def holds_budget_while_decoding(self) -> bool:
-        return self.ratio != 1.0  # (1.0 keeps everything, decoding included)
-
-    def heavy_scores(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
+    def heavy_scores(self, ctx: Context) -> torch.Tensor:
         """Each slot's score `(batch, heads, slots)`: the attention its token received, over the queries that saw
         it (so that early tokens are not favoured for being old); +inf for the recent window, the last
         `recent_ratio` of each row's budget, always kept.
@@ -76,69 +70,61 @@ class H2OPress(Press):
         The tokens seen are the newest token's position plus one, read from the layer's last slot (where a
         forward's newest token is until an eviction moves it): on the device, so that nothing which changes from
         step to step is read on the host (a compiled step would be traced anew for it)."""
-        age = layer.positions[..., -1:] + 1 - layer.positions  # queries that saw each token (its own included)
-        return (layer.extra["received"] / age).masked_fill_(age <= self.recent(cache, age.device), float("inf"))
+        age = ctx.positions[..., -1:] + 1 - ctx.positions  # queries that saw each token (its own included)
+        return (ctx.extra["received"] / age).masked_fill_(age <= self.recent(ctx), float("inf"))
 
-    def recent(self, cache: SparseCache, device: torch.device) -> torch.Tensor:
+    def recent(self, ctx: Context) -> torch.Tensor:
         """`(batch, 1, 1)` the size of each row's recent window, `recent_ratio` of its budget (rounded), at least
-        `window_size`: the same at every layer of a forward, so made at its first (`forward.plan`) and read by the
+        `window_size`: the same at every layer of a forward, so made at its first (`ctx.plan`) and read by the
         others."""
-        plan = cache.forward.plan
-        if plan is None or plan.device != device:  # (a model split over devices makes it anew on each)
-            budgets = cache.on("budgets", device)
+        plan, budgets = ctx.plan, ctx.budgets
+        if plan is None or plan.device != budgets.device:  # (a model split over devices makes it anew on each)
             recent = (budgets.double() * self.recent_ratio).round().long().clamp(min=self.window_size)
-            plan = cache.forward.plan = recent[:, None, None]
+            plan = ctx.plan = recent[:, None, None]
         return plan
 
-    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        budgets = self.row_budgets(cache)
+    def compress(self, ctx: Context) -> None:
+        """The attention each prompt token received, kept with its slot (`layer.extra`, which follows the slots),
+        then the prompt kept by `heavy_scores` (`ScorerPress`)."""
         if not self.holds_budget_while_decoding():  # everything kept, decoding included: nothing to score
-            layer.extra.pop("received", None)  # (a prompt read in pieces) as in one forward
+            ctx.extra.pop("received", None)  # (a prompt read in pieces) as in one forward
             return
         # The prompt's received attention does not depend on the budget: replays of one prompt share it. A prompt
         # kept whole needs it too: its budget is held once decoding grows past it.
-        received = cache.prompt_work(("h2o-received", call.module.layer_idx), lambda: self.received(cache, layer, call))
-        layer.extra["received"] = received.clone()
-        if budgets is not None:
-            scores = self.heavy_scores(cache, layer).masked_fill(~layer.valid, float("-inf"))
-            layer.keep(scores, budgets)
+        received = ctx.prompt_work(("h2o-received", ctx.layer_idx), lambda: self.received(ctx))
+        ctx.extra["received"] = received.clone()
+        super().compress(ctx)
 
-    def received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
+    def score(self, ctx: Context) -> torch.Tensor:
+        return self.heavy_scores(ctx)
+
+    def received(self, ctx: Context) -> torch.Tensor:
         """Attention each prompt token received from all prompt queries, summed per KV head `(b, h_kv, n)`: from
         the forward's queries (its last `q_len` tokens: a prompt, or a piece of one), added to what earlier pieces
         of the prompt gave (`read_piece`)."""
-        b, h_kv, n, _ = layer.keys.shape
-        earlier = layer.extra.get("received")
-        received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=layer.keys.device) if earlier is None \
+        b, h_kv, n, _ = ctx.keys.shape
+        earlier = ctx.extra.get("received")
+        received = torch.zeros(b, h_kv, n, dtype=torch.float32, device=ctx.keys.device) if earlier is None \
             else earlier.clone()
-        for start in range(n - cache.forward.q_len, n, self.block_size):
+        for start in range(n - ctx.q_len, n, self.block_size):
             end = min(start + self.block_size, n)
-            received[..., :end] += call.prefill_probs(layer.keys, start, end).sum(dim=(2, 3))
+            received[..., :end] += ctx.attention(start, end).sum(dim=(2, 3))
         return received
 
     def prompt_tail(self) -> int | None:
         return 0  # every query's attention is read piece by piece (`read_piece`)
 
-    def read_piece(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+    def read_piece(self, ctx: Context) -> None:
         """A piece of a prompt read in pieces: the attention its queries gave every token so far, kept with the
         slots (zeros for the next piece's tokens) until `compress` adds the last piece's."""
-        layer.extra["received"] = self.received(cache, layer, call)
+        ctx.extra["received"] = self.received(ctx)
 
-    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
+    def after_step(self, ctx: Context) -> None:
         """Algorithm 1 at a decoding step: the attention the step's queries give every slot joins what each
-        received, and a row over its budget evicts its lowest-scored tokens."""
+        received (summed over each KV head's query heads); `score_step` then ranks them."""
         if self.holds_budget_while_decoding():
-            self.add_received(cache, layer, call)
-            self.hold_budget(cache, layer, self.heavy_scores(cache, layer))
+            ctx.extra["received"] += ctx.attention().sum(dim=(2, 3))
 
-    def add_received(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """Add the attention the step's queries gave every slot (summed over each KV head's query heads): each
-        query sees the real slots, and a draft's tokens (the forward's last slots) none after their own. A step's
-        one query on a layer whose slots are all real sees every slot: no mask to build."""
-        q_len = cache.forward.q_len
-        visible = None if q_len == 1 and layer.all_valid else layer.valid[:, :, None, :]  # (b, h, 1, n)
-        if q_len > 1:
-            n = layer.keys.shape[-2]
-            new = torch.arange(n - q_len, n, device=layer.keys.device)
-            visible = visible & (torch.arange(n, device=new.device) <= new[:, None])
-        layer.extra["received"] += call.probs(layer.keys, visible).sum(dim=(2, 3))
+    def score_step(self, ctx: Context) -> torch.Tensor:
+        """A row over its budget evicts its lowest-scored tokens (`heavy_scores`)."""
+        return self.heavy_scores(ctx)

@@ -25,8 +25,8 @@ class KeyDiffPress(FlooredScorerPress):
     def prompt_tail(self) -> int:
         return 0  # keys only: a prompt read in pieces is scored as one
 
-    def score(self, cache, layer, call) -> torch.Tensor:
-        keys = F.normalize(layer.keys.float(), dim=-1)  # (batch, kv_heads, prompt, head_dim)
-        real = layer.valid[..., None].to(keys.dtype)
+    def score(self, ctx) -> torch.Tensor:
+        keys = F.normalize(ctx.keys.float(), dim=-1)  # (batch, kv_heads, prompt, head_dim)
+        real = ctx.valid[..., None].to(keys.dtype)
         anchor = (keys * real).sum(dim=2, keepdim=True) / real.sum(dim=2, keepdim=True).clamp(min=1)
         return -F.cosine_similarity(keys, anchor, dim=-1)

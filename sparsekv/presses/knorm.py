@@ -23,5 +23,5 @@ class KnormPress(FlooredScorerPress):
     def prompt_tail(self) -> int:
         return 0  # keys only: a prompt read in pieces is scored as one
 
-    def score(self, cache, layer, call) -> torch.Tensor:
-        return -layer.keys.float().norm(dim=-1)
+    def score(self, ctx) -> torch.Tensor:
+        return -ctx.keys.float().norm(dim=-1)

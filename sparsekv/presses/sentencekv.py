@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..attention import AttentionCall, rotate
+from ..attention import rotate
 from ..cache import SparseCache
-from ..layers import KVLayer
+from ..context import Context
 from ..options import check_number
 from ..store import StoreLayer
 from .sentence_segment import closes_sentence, sentence_ids
@@ -132,8 +132,8 @@ class SentencePress(SnapKVPress):
     def new_state(self, cache: SparseCache) -> SentenceState:
         return SentenceState()
 
-    def begin_forward(self, cache: SparseCache) -> None:
-        state, forward = cache.state, cache.forward
+    def begin_forward(self, ctx: Context) -> None:
+        state, forward = ctx.state, ctx.forward
         if state.sentences is None:  # the prompt, or a piece of it: segmented at `compress`, once all is read
             ids = forward.input_ids
             state.prompt_ids = ids if state.prompt_ids is None else torch.cat([state.prompt_ids, ids], 1)
@@ -141,27 +141,27 @@ class SentencePress(SnapKVPress):
         state.step_ids = forward.input_ids
         closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])  # on the host
         # None: no layer has work to do. Else sent to the device now, while it has little queued to wait for.
-        forward.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
+        ctx.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
         for stack in state.stacks:  # this forward's queries, kept for `crop`
             stack.step_queries = [None] * len(stack.ranks)
         if self.rank_at == "step":
-            rank_step(self, cache)
+            rank_step(self, ctx.cache)
 
     # --- prefill ---------------------------------------------------------------------------------------------
-    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        state = cache.state
+    def compress(self, ctx: Context) -> None:
+        state, layer = ctx.state, ctx.layer
         if state.sentences is None:  # the first compressed layer: the prompt's sentences (sec. 4.1)
-            real = layer.valid[:, 0]  # the prompt's tokens (every head alike)
+            real = ctx.valid[:, 0]  # the prompt's tokens (every head alike)
             state.sentences = sentence_ids(self.tokenizer, state.prompt_ids, real, self.max_sentence_tokens)
             state.prompt_ids = None
         fixed = self.n_sinks + self.window_size
-        taus = self.row_budgets(cache, beside=fixed)
+        taus = self.row_budgets(ctx, beside=fixed)
         if taus is None:  # every prompt token would be attended anyway
             return
-        b, h, n, _ = layer.keys.shape
-        device = layer.keys.device
-        start = cache.on("prompt_start", device)[:, None]
-        valid = layer.valid[:, 0]  # the prompt's (every head alike)
+        b, h, n, _ = ctx.keys.shape
+        device = ctx.keys.device
+        start = ctx.prompt_start[:, None]
+        valid = ctx.valid[:, 0]  # the prompt's (every head alike)
         # Attended at every step: each row's first n_sinks tokens and the last window_size. A row too short for both
         # (kept whole beside longer ones) has them overlap, or reach into its padding: those slots are fillers.
         sinks = start + torch.arange(self.n_sinks, device=device)
@@ -171,14 +171,14 @@ class SentencePress(SnapKVPress):
         resident = torch.zeros(b, n + 1, dtype=torch.bool, device=device).scatter_(1, keep.where(real_slot, n), True)
         resident, keep = resident[:, :n], keep.clamp(max=n - 1)
         # Global prefilter (A.7): the best r * tau prompt tokens, summed over the heads; sinks and window apart.
-        scores = self.window_scores(cache, layer, call).sum(dim=1).masked_fill(resident | ~valid, float("-inf"))
+        scores = self.window_scores(ctx).sum(dim=1).masked_fill(resident | ~valid, float("-inf"))
         kept = (taus.double() * self.keep_factor).round().long().to(device)
         store = scores.sort(dim=-1, descending=True, stable=True).indices[:, : int(kept.max())]
         in_store = (torch.arange(store.shape[1], device=device) < kept[:, None]) & scores.gather(1, store).isfinite()
         store = torch.where(in_store, store, n).sort(dim=-1).values  # by position; n: an empty slot, last
         in_store = store < n
         store = store.clamp(max=n - 1)
-        shared = self._shared_keys(layer, call, valid, store) if self.centre else 0.0
+        shared = self._shared_keys(ctx, valid, store) if self.centre else 0.0
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
         loaded = int(taus.max())
@@ -188,12 +188,12 @@ class SentencePress(SnapKVPress):
         real = torch.arange(loaded, device=device) < fill[:, 0]  # (b, loaded)
         slots = torch.cat([keep.new_zeros(b, loaded), keep], dim=1)[:, None].expand(b, h, -1)
         layer.select(slots, torch.cat([real, real_slot & valid.gather(1, keep)], dim=1))
-        query_sum = torch.zeros(b, h, 1, layer.keys.shape[-1], device=device, dtype=torch.float32)
+        query_sum = torch.zeros(b, h, 1, ctx.keys.shape[-1], device=device, dtype=torch.float32)
         if self.prompt_sentence:
-            query_sum += self._seed_queries(cache, call, query_sum.device)
+            query_sum += self._seed_queries(ctx, query_sum.device)
         r = store.shape[1]
         stack, rank = state.add_layer(
-            call.module.layer_idx, query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes,
+            ctx.layer_idx, query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes,
             slot_sentence=slot_sentence, slot_room=loading_room(slot_sentence[:, :1], sizes, fill),
             resident=torch.zeros(b, h, r, dtype=torch.bool, device=device),
             device_slot=torch.zeros(b, h, r, dtype=torch.long, device=device))
@@ -201,7 +201,7 @@ class SentencePress(SnapKVPress):
         load(layer, stack, rank, self.chosen(stack.at(rank)), first=True)
 
     @staticmethod
-    def _shared_keys(layer, call, valid, store):
+    def _shared_keys(ctx, valid, store):
         """The prompt's mean key, taken before RoPE, rotated to each stored token's position `(b, h, R, d)`.
 
         Under RoPE the component every key shares turns with position, so `q . k` carries a term that depends
@@ -209,13 +209,13 @@ class SentencePress(SnapKVPress):
         leaves `q . k` minus `q . mean`, which for keys without RoPE is eq. 1's ranking exactly.
         """
         weight = valid[:, None, :, None].float()
-        plain = rotate(layer.keys.float(), call.position_embeddings, inverse=True)
+        rope = ctx.call.position_embeddings
+        plain = rotate(ctx.keys.float(), rope, inverse=True)
         mean = (plain * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
         b, r = store.shape
-        if call.position_embeddings is None:  # a layer without RoPE: the mean key is every token's
+        if rope is None:  # a layer without RoPE: the mean key is every token's
             return mean
-        at = [t.expand(b, -1, -1).gather(1, store[..., None].expand(-1, -1, t.shape[-1]))
-              for t in call.position_embeddings]
+        at = [t.expand(b, -1, -1).gather(1, store[..., None].expand(-1, -1, t.shape[-1])) for t in rope]
         return rotate(mean.expand(-1, -1, r, -1), at)
 
     @staticmethod
@@ -254,28 +254,28 @@ class SentencePress(SnapKVPress):
         return sentence_keys, counts.long()[:, None], bucket[:, None].expand(b, h, -1)
 
     @staticmethod
-    def _seed_queries(cache, call, device):
+    def _seed_queries(ctx, device):
         """The start of each row's sentence query sum (eq. 2) `(b, h, 1, d)`: the queries of its prompt's last
         sentence when the prompt ends inside that sentence (the sentence being generated began in the prompt)."""
-        closing = cache.forward.plan
-        sentences = cache.state.sentences.to(device)
+        closing = ctx.plan
+        sentences = ctx.state.sentences.to(device)
         last = sentences == sentences[:, -1:]  # left padding: the last column is every row's last real token
         if closing is not None:
             last &= ~closing.to(last.device)[:, None]
         if not bool(last.any()):
             return 0.0
         start = int(last.long().argmax(dim=1).where(last.any(dim=1), last.shape[1]).min())
-        queries = call.queries(start, grouped=True).float() * last[:, None, start:, None]
+        queries = ctx.queries(start, grouped=True).float() * last[:, None, start:, None]
         return queries.sum(dim=2, keepdim=True)
 
     # --- decoding --------------------------------------------------------------------------------------------
-    def on_queries(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        found = cache.state.find(call.module.layer_idx)
+    def on_queries(self, ctx: Context) -> None:
+        found = ctx.state.find(ctx.layer_idx)
         if found is None:  # not compressed: every prompt token attended
             return
         stack, rank = found
-        queries = call.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
-        valid = cache.forward.input_valid
+        queries = ctx.queries(grouped=True).float()  # (b, kv_heads, q, d), the step's own projection
+        valid = ctx.forward.input_valid
         if valid is not None:  # padding tokens add nothing
             queries = queries * valid.to(queries.device)[:, None, :, None]
         added = queries if queries.shape[2] == 1 else queries.sum(dim=2, keepdim=True)
@@ -283,10 +283,11 @@ class SentencePress(SnapKVPress):
         stack.step_queries[rank], stack.before_reset = queries, None  # kept for `crop`, no copy
         if self.rank_at == "step":  # ranked and loaded when the step began, with the queries before it
             return
-        copied = load(layer, stack, rank, self.chosen(stack.at(rank)))  # Algorithm 1, at this layer's query
-        cache.counts["loaded_tokens"] += copied
-        cache.counts["loads"] += copied > 0
-        cache.counts["selections"] += 1
+        copied = load(ctx.layer, stack, rank, self.chosen(stack.at(rank)))  # Algorithm 1, at this layer's query
+        counts = ctx.cache.counts
+        counts["loaded_tokens"] += copied
+        counts["loads"] += copied > 0
+        counts["selections"] += 1
 
     @staticmethod
     def similarity(state) -> torch.Tensor:
@@ -312,10 +313,10 @@ class SentencePress(SnapKVPress):
         through = torch.empty_like(through).scatter_(-1, ranked, through)  # back in sentence order
         return through.gather(-1, state.slot_sentence) < state.slot_room
 
-    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        found = cache.state.find(call.module.layer_idx)
-        if found is not None and call.module.layer_idx == found[0].last:  # every layer's at once, after the last
-            end_sentence(found[0], cache.forward.plan)
+    def after_step(self, ctx: Context) -> None:
+        found = ctx.state.find(ctx.layer_idx)
+        if found is not None and ctx.layer_idx == found[0].last:  # every layer's at once, after the last
+            end_sentence(found[0], ctx.plan)
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept

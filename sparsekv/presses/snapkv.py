@@ -8,9 +8,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionCall
-from ..cache import SparseCache
-from ..layers import KVLayer
+from ..context import Context
 from ..options import check_number
 from ..press import ScorerPress
 
@@ -61,19 +59,18 @@ class SnapKVPress(ScorerPress):
     def prompt_tail(self) -> int | None:
         return self.window_size  # the window's queries; the keys are in the cache
 
-    def window_scores(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
+    def window_scores(self, ctx: Context) -> torch.Tensor:
         """Observation-window attention received by each prompt token, `(batch, kv_heads, prompt)`, pooled.
 
         Shared with presses that build on SnapKV's scoring (ChunkKV, SentenceKV's prefilter). It depends on
         the prompt and the scoring options only, so replays of one prompt compute it once.
         """
-        key = ("snapkv-window", self.window_size, self.kernel_size, self.pooling, call.module.layer_idx)
-        return cache.prompt_work(key, lambda: self._window_scores(layer, call))
+        key = ("snapkv-window", self.window_size, self.kernel_size, self.pooling, ctx.layer_idx)
+        return ctx.prompt_work(key, lambda: self._window_scores(ctx))
 
-    def _window_scores(self, layer, call) -> torch.Tensor:
-        n, w = layer.keys.shape[-2], self.window_size
-        probs = call.prefill_probs(layer.keys, n - w, n)  # (b, h_kv, group, w, n)
-        scores = probs.sum(dim=-2).mean(dim=2)
+    def _window_scores(self, ctx: Context) -> torch.Tensor:
+        n, w = ctx.keys.shape[-2], self.window_size
+        scores = ctx.attention(-w).sum(dim=-2).mean(dim=2)  # the window's queries: (b, h_kv, group, w, n)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
         pad = self.kernel_size // 2
         b, h, _ = scores.shape
@@ -81,5 +78,5 @@ class SnapKVPress(ScorerPress):
         scores[..., n - w :] = float("inf")
         return scores
 
-    def score(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> torch.Tensor:
-        return self.window_scores(cache, layer, call)
+    def score(self, ctx: Context) -> torch.Tensor:
+        return self.window_scores(ctx)

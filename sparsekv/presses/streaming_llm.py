@@ -7,15 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from ..attention import AttentionCall
-from ..cache import SparseCache
-from ..layers import KVLayer
+from ..context import Context
 from ..options import check_number
-from ..press import Press
+from ..press import ScorerPress
 
 
 @dataclass(kw_only=True)
-class StreamingLLMPress(Press):
+class StreamingLLMPress(ScorerPress):
     """Keep the first `n_sinks` tokens (attention sinks) and the most recent ones: a rolling cache.
 
     The prompt is cut to sinks + its most recent tokens, and during decoding the oldest non-sink token is
@@ -42,8 +40,10 @@ class StreamingLLMPress(Press):
 
     n_sinks: int = 4
     window_size: int = 60
-    joins_rows: ClassVar[bool] = True  # positions are all it reads, and they follow their slots
     compiled_decoding: ClassVar[bool] = True
+    # Every layer and head holds the same positions in the same slots: one victim a step serves them all, scored
+    # at the step's first layer.
+    scores_by_position: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -59,23 +59,11 @@ class StreamingLLMPress(Press):
     def prompt_tail(self) -> int | None:
         return 0  # positions only
 
-    def holds_budget_while_decoding(self) -> bool:
-        return self.ratio != 1.0  # (1.0 keeps everything, decoding included)
+    def score(self, ctx: Context) -> torch.Tensor:
+        """Newer is higher; sinks (each row's first real tokens) are always kept."""
+        sink = ctx.positions < ctx.prompt_start[:, None, None] + self.n_sinks
+        return ctx.positions.float().masked_fill(sink, float("inf"))
 
-    def recency(self, cache: SparseCache, layer: KVLayer) -> torch.Tensor:
-        """Newer is higher; sinks (each row's first real tokens) and filler slots are never evicted."""
-        start = cache.on("prompt_start", layer.positions.device)[:, None, None]
-        sink = layer.positions < start + self.n_sinks
-        return layer.positions.float().masked_fill(sink, float("inf"))
-
-    def compress(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        budgets = self.row_budgets(cache)
-        if budgets is not None:
-            layer.keep(self.recency(cache, layer).masked_fill(~layer.valid, float("-inf")), budgets)
-
-    def after_step(self, cache: SparseCache, layer: KVLayer, call: AttentionCall) -> None:
-        """The rolling cache: a row over its budget evicts its oldest non-sink tokens (one at a decoding step)."""
-        if self.holds_budget_while_decoding():
-            # Every layer and head holds the same positions in the same slots: one victim a step serves them all,
-            # scored at the step's first layer.
-            self.hold_budget(cache, layer, lambda: self.recency(cache, layer), shared_by_layers=True)
+    def score_step(self, ctx: Context) -> torch.Tensor:
+        """The rolling cache: a row over its budget evicts its oldest non-sink token (one a decoding step)."""
+        return self.score(ctx)

@@ -27,21 +27,15 @@ class TOVAPress(FlooredScorerPress):
 
     captures_step_queries: ClassVar[bool] = True  # `after_step` reads the step's query
 
-    def holds_budget_while_decoding(self) -> bool:
-        return self.ratio != 1.0  # (1.0 keeps everything, decoding included)
-
     def prompt_tail(self) -> int:
         return 1  # the last prompt token's query
 
-    def score(self, cache, layer, call) -> torch.Tensor:
-        n = layer.keys.shape[-2]
-        probs = call.prefill_probs(layer.keys, n - 1, n)  # (batch, kv_heads, group, 1, prompt)
-        scores = probs.mean(dim=(1, 2, 3))[:, None].expand(-1, layer.keys.shape[1], -1)
-        return scores.masked_fill(torch.arange(n, device=scores.device) == n - 1, float("inf"))
+    def score(self, ctx) -> torch.Tensor:
+        scores = self.score_step(ctx)  # the prompt's last query, (batch, kv_heads, prompt)
+        return scores.masked_fill(torch.arange(scores.shape[-1], device=scores.device) == scores.shape[-1] - 1,
+                                  float("inf"))
 
-    def after_step(self, cache, layer, call) -> None:
-        if self.holds_budget_while_decoding():
-            q_len = cache.forward.q_len  # the forward's last query sees every slot held (a draft: its last token)
-            visible = None if q_len == 1 and layer.all_valid else layer.valid[:, :, None, :]
-            probs = call.probs(layer.keys, visible, q_len - 1, q_len).mean(dim=(1, 2, 3))
-            self.hold_budget(cache, layer, probs[:, None].expand(-1, layer.keys.shape[1], -1))
+    def score_step(self, ctx) -> torch.Tensor:
+        # The forward's last query (a draft's: its last token), averaged over every head of the layer.
+        probs = ctx.attention(-1).mean(dim=(1, 2, 3))
+        return probs[:, None].expand(-1, ctx.keys.shape[1], -1)

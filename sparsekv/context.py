@@ -1,0 +1,164 @@
+"""What a press reads at one event of a forward: the `Context` the core hands every phase of a press.
+
+A press never holds a generation's state; the core hands it one `Context` per event, which reads through to the
+homes of that state (the cache, the layer, the forward under way) and writes nothing when read. A scoring press
+needs the names of its first three groups; presses that keep a store beside their layers (CHESS, SentenceKV)
+reach the objects themselves through `cache`, `layer`, `call` and `forward`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import torch
+
+
+class Context:
+    """One event of a forward, as a press sees it: the generation, and at a layer's events that layer and its
+    attention call.
+
+    Attributes:
+        cache: the generation's `SparseCache`.
+        layer: the layer's cache (`KVLayer`), None at a forward's first and last events (`begin_forward`,
+            `end_forward`).
+        call: the layer's `AttentionCall`, None where `layer` is.
+        prompt: the event reads a prompt (`compress`, `read_piece`): `attention` is the prompt's, causal.
+        logits: at `end_forward`, the forward's next-token logits `(batch, q, vocab)`; None elsewhere.
+    """
+
+    __slots__ = ("cache", "layer", "call", "prompt", "logits")
+
+    def __init__(self, cache, layer=None, call=None, prompt: bool = False, logits: torch.Tensor | None = None):
+        self.cache, self.layer, self.call, self.prompt, self.logits = cache, layer, call, prompt, logits
+
+    # --- the layer: what it holds, `(batch, kv_heads, slots, ...)` ----------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor:
+        """`(batch, kv_heads, slots, head_dim)`, rotated at their positions (as attention reads them)."""
+        return self.layer.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        """`(batch, kv_heads, slots, head_dim)`."""
+        return self.layer.values
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """`(batch, kv_heads, slots)` each slot's absolute position in the left-padded input."""
+        return self.layer.positions
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """`(batch, kv_heads, slots)` True where a slot holds a real token (False: padding, or a free slot)."""
+        return self.layer.valid
+
+    @property
+    def extra(self) -> dict[str, torch.Tensor]:
+        """The press's per-slot tensors `(batch, kv_heads, slots)` by name, which follow their slots when the core
+        keeps, evicts or reorders them (H2O's received attention): a press writes them in place or anew."""
+        return self.layer.extra
+
+    # --- the attention call: queries and attention on demand ----------------------------------------------------
+    @property
+    def layer_idx(self) -> int:
+        return self.call.module.layer_idx
+
+    def queries(self, start: int = 0, end: int | None = None, grouped: bool = False) -> torch.Tensor:
+        """Rotated queries of this forward's tokens `start:end` (at the prompt, counted from its start),
+        `(batch, heads, tokens, head_dim)`, as the module makes them (no attention run again); `grouped`: summed
+        over each KV head's query heads, `(batch, kv_heads, tokens, head_dim)`."""
+        return self.call.queries(start, end, grouped)
+
+    def attention(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Softmax attention of this forward's queries `start:end` (negative: counted from the last), float32,
+        `(batch, kv_heads, group, queries, keys)`: each KV head's query heads apart.
+
+        At the prompt: over the prompt's keys up to `end` (causal, padding masked, padding queries' rows zero).
+        After it: over every slot the layer holds (free slots and padding never attended; a forward's later
+        tokens unseen by its earlier ones).
+        """
+        total = self.layer.keys.shape[-2] if self.prompt else self.cache.forward.q_len
+        start, end = _index(start, total), total if end is None else _index(end, total)
+        if self.prompt:
+            return self.call.prefill_probs(self.layer.keys, start, end)
+        layer, q_len = self.layer, self.cache.forward.q_len
+        visible = None if q_len == 1 and layer.all_valid else layer.valid[:, :, None, :]  # (b, h, 1, slots)
+        if q_len > 1:  # the forward's tokens are its last slots, each seeing none after its own
+            n = layer.keys.shape[-2]
+            new = torch.arange(n - q_len + start, n - q_len + end, device=layer.keys.device)
+            visible = visible & (torch.arange(n, device=new.device) <= new[:, None])
+        return self.call.probs(layer.keys, visible, start, end)
+
+    # --- the generation -----------------------------------------------------------------------------------------
+    @property
+    def budgets(self) -> torch.Tensor | None:
+        """`(batch,)` tokens each row keeps, on the layer's device (`Press.prompt_budgets`, set once the prompt
+        is in); None for a press that keeps no number of tokens."""
+        if self.cache.budgets is None:
+            return None
+        return self.cache.on("budgets", self.layer.device if self.layer is not None else "cpu")
+
+    @property
+    def prompt_start(self) -> torch.Tensor:
+        """`(batch,)` each row's first real token (its left padding's length), on the layer's device."""
+        return self.cache.on("prompt_start", self.layer.device if self.layer is not None else "cpu")
+
+    @property
+    def q_len(self) -> int:
+        """Tokens in this forward (at a prompt read in pieces, this piece's)."""
+        return self.cache.forward.q_len
+
+    @property
+    def state(self) -> Any:
+        """The press's per-generation state (`Press.new_state`), a `RowState` or None."""
+        return self.cache.state
+
+    @property
+    def plan(self) -> Any:
+        """What the press made once for every layer of this forward (at `begin_forward`, or its first layer);
+        None until it sets one. Gone with the forward."""
+        return self.cache.forward.plan
+
+    @plan.setter
+    def plan(self, value: Any) -> None:
+        self.cache.forward.plan = value
+
+    def prompt_work(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """`compute()`, computed once per prompt when one recorded prefill is replayed under several presses
+        (`SparseCache.prompt_work`): work that depends on the prompt and on what `key` names alone."""
+        return self.cache.prompt_work(key, compute)
+
+    # --- the objects themselves, for presses that keep a store --------------------------------------------------
+    @property
+    def forward(self):
+        """The `Forward` under way (its `input_ids`, `input_valid`, `continues_prompt`)."""
+        return self.cache.forward
+
+
+def _index(i: int, total: int) -> int:
+    return i + total if i < 0 else i
+
+
+def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bool = False) -> None:
+    """The core's eviction after a later forward: the lowest-scored real tokens of `ctx.layer` (`score()`,
+    `(batch, kv_heads, slots)`, called only on a layer over its budget) are evicted until each row is back within
+    its budget (`KVLayer.hold_budget`), one per row and head after a decoding step's token. The tokens of a draft
+    being verified, or of a forward of several, are never evicted while they fit the budget: a rejected draft can
+    be cropped.
+
+    `by_position`: the scores depend on position alone and every layer holds the same positions in the same slots
+    (`Press.scores_by_position`), so a decoding step's victims are found at its first layer and serve every layer
+    (the forward keeps them): a step scores and searches once, not once a layer.
+    """
+    cache, layer = ctx.cache, ctx.layer
+    forward, largest = cache.forward, cache.largest_budget
+    if layer.slots <= largest:  # every row within its budget
+        return
+    if by_position and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
+        if forward.victims is None:
+            forward.victims = layer.victims(score(), cache.on("budgets", layer.device))
+        victims = forward.victims
+        layer.evict(victims if victims.device == layer.device else victims.to(layer.device))  # (a split model)
+    else:
+        layer.hold_budget(score(), cache.on("budgets", layer.device), largest,
+                          keep_new=forward.q_len > 1 or forward.draft)
