@@ -60,7 +60,8 @@ class SparseCache(RowState, Cache):
         prompt_lengths: `(batch,)` real prompt tokens, on the CPU; `prompt_start`: `(batch,)` each row's first
             real token. Set at the first forward.
         budgets: `(batch,)` tokens kept per row, set once the prompt is in (`Press.prompt_budgets`); None before,
-            and for a press that keeps no number of tokens (CHESS's `read_budget`).
+            and for a press that keeps no number of tokens (CHESS's `read_budget`). `compresses`: whether any row
+            is compressed under them (`Press.compresses`: the others are kept whole).
         state: the press's per-generation state (`Press.new_state`), a `RowState` or None.
         compiled: generate may compile its decoding steps over this cache (`is_compileable`; `Press.make_cache`).
         max_new_tokens: a `compiled` cache's room for the tokens each generation adds after its prompt, under a
@@ -89,6 +90,7 @@ class SparseCache(RowState, Cache):
         self.prompt_lengths: torch.Tensor | None = None
         self.prompt_start: torch.Tensor | None = None
         self.budgets: torch.Tensor | None = None
+        self.compresses = False
         self.one_layout = False
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
@@ -197,6 +199,8 @@ class SparseCache(RowState, Cache):
             self.prompt_start = (seen - self.prompt_lengths).clamp(min=0)  # left padding: before the first piece
             if not pieces_left:  # the whole prompt is in
                 self.budgets = self.press.prompt_budgets(self.prompt_lengths)
+                self.compresses = self.budgets is not None and self.press.compresses(self.prompt_lengths,
+                                                                                      self.budgets)
         start = clock()
         self.press.begin_forward(Context(self))  # its plan is press work of this step (or of the prompt)
         self.timed("compress" if first else "step", start)

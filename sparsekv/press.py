@@ -253,18 +253,28 @@ class Press:
             return torch.full_like(lengths, self.budget)
         return None if self.ratio is None else (lengths.double() * self.ratio).round().long()
 
-    def row_budgets(self, ctx: Context, beside: int = 0) -> torch.Tensor | None:
+    def row_budgets(self, ctx: Context) -> torch.Tensor | None:
         """At the prompt, the tokens each row keeps `(batch,)` (`prompt_budgets`, on the CPU), or None when
-        there is nothing to compress: every row's budget, plus the `beside` tokens the press keeps besides it,
-        covers its prompt (`ctx.budgets` still gives them).
+        there is nothing to compress: every row's budget, with the tokens the press attends besides it
+        (`attended_beside`), covers its prompt (`ctx.budgets` still gives them; `compresses`)."""
+        return ctx.cache.budgets if ctx.cache.compresses else None
 
-        A row whose prompt is no longer than its budget plus the `beside` tokens the press keeps besides it
-        cannot be compressed: it is kept whole (said once per process through the `sparsekv` logger, unless
-        `ratio=1.0` asked for that). Its budget stays what it is: a press that evicts while decoding holds it once
-        the row grows past it. A longer row whose `ratio` falls under the floor keeps the floor (said once too).
+    def attended_beside(self) -> int:
+        """Tokens a row attends at every step besides its budget (SentenceKV's sinks and window): a prompt no
+        longer than its budget and these is kept whole. Default 0."""
+        return 0
+
+    def compresses(self, lengths: torch.Tensor, budgets: torch.Tensor) -> bool:
+        """Whether any row of prompts of `lengths` tokens, keeping `budgets` (`prompt_budgets`), is compressed;
+        the core asks once, when it sets the budgets, and `row_budgets` answers from it at every layer.
+
+        A row whose prompt is no longer than its budget and the tokens the press attends besides it cannot be
+        compressed: it is kept whole (said once per process through the `sparsekv` logger, unless `ratio=1.0`
+        asked for that). Its budget stays what it is: a press that evicts while decoding holds it once the row
+        grows past it. A longer row whose `ratio` falls under the floor keeps the floor (said once too).
         """
         minimum, what = self.min_kept()
-        lengths, budgets = ctx.cache.prompt_lengths, ctx.cache.budgets
+        beside = self.attended_beside()
         whole = budgets + beside >= lengths
         if self.ratio != 1.0 and bool(whole.any()):
             row = int(lengths.masked_fill(~whole, -1).argmax())
@@ -285,7 +295,7 @@ class Press:
                 f"sparsekv: {type(self).__name__}: ratio={self.ratio:g} of a prompt of {int(lengths[row])} tokens"
                 f"{f' (row {row})' if len(lengths) > 1 else ''} is {int(asked[row])} tokens, under the press's "
                 f"floor ({what}): it keeps {int(budgets[row])}. (Said once.)"))
-        return None if bool(whole.all()) else budgets
+        return not bool(whole.all())
 
 
 @dataclass

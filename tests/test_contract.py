@@ -123,3 +123,23 @@ def test_the_scan_sees_the_names_a_press_reads(source, expected):
     taken from the cache, an inherited helper, an import from the core), and not a press's own option or another
     press's module."""
     assert names_read(source) == expected
+
+
+SCORING = ("snapkv.py", "chunkkv.py", "knorm.py", "keydiff.py", "tova.py", "streaming_llm.py", "h2o.py", "floored.py")
+
+
+def test_a_scoring_press_reads_the_context_alone():
+    """The presses that score (the prompt, and while decoding) reach the core through the context they are handed
+    and the press's helpers, never through a layer, an attention call or the forward, and the context names they
+    read together are about a dozen: what docs/writing-a-press.md's first table lists. (A factory, `new_state`,
+    gets the cache.)"""
+    read = set()
+    for name in SCORING:
+        read |= names_read((PRESSES / name).read_text())
+    beyond = {n for n in read if n.split(".")[0] in ("layer", "call", "forward") or n in ("ctx.layer", "ctx.call")}
+    assert not beyond, f"scoring presses read the core beyond the context: {beyond}"
+    context = {n for n in read if n.startswith("ctx.")}
+    page = (ROOT / "docs" / "writing-a-press.md").read_text()
+    table = page.split("## What `ctx` gives a scoring press", 1)[1].split("\n## ", 1)[0]
+    assert context <= set(re.findall(r"`(ctx\.\w+)", table)), context - set(re.findall(r"`(ctx\.\w+)", table))
+    assert len(context) <= 15, sorted(context)

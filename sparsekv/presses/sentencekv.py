@@ -121,6 +121,9 @@ class SentencePress(SnapKVPress):
     def min_kept(self) -> tuple[int, str]:
         return 1, "1 loaded token"
 
+    def attended_beside(self) -> int:
+        return self.n_sinks + self.window_size  # attended at every step besides tau
+
     def prompt_tail(self) -> int | None:
         # The window's queries and those of the prompt's last sentence (`prompt_sentence`), never longer than
         # `max_sentence_tokens`; its sentences come from the pieces' tokens, its mean key from the cache.
@@ -154,8 +157,7 @@ class SentencePress(SnapKVPress):
             real = ctx.valid[:, 0]  # the prompt's tokens (every head alike)
             state.sentences = sentence_ids(self.tokenizer, state.prompt_ids, real, self.max_sentence_tokens)
             state.prompt_ids = None
-        fixed = self.n_sinks + self.window_size
-        taus = self.row_budgets(ctx, beside=fixed)
+        taus = self.row_budgets(ctx)
         if taus is None:  # every prompt token would be attended anyway
             return
         b, h, n, _ = ctx.keys.shape
