@@ -11,8 +11,9 @@ each hands the press one `Context` (`sparsekv.context`), made once per layer and
 1. `begin_forward`: a new `Forward` (its token ids, which tokens are real); at the first forward, each row's
    prompt length and start; the press's `begin_forward` (e.g. SentenceKV segments the prompt, or ranks every
    layer's sentences for a step, and leaves the rows that close a sentence in the forward's `plan`).
-2. For each compressed layer, `before_layer`, before its attention: the press's `before_attention` (CHESS
-   gathers the planned working set), then the mask for the layer's physical layout.
+2. For each compressed layer, `before_layer`, before its attention: the store slots the press's `choose` says
+   the layer reads, gathered by the core (CHESS's planned working set), then the mask for the layer's physical
+   layout.
 3. `after_queries`, once the layer projected its queries (forwards after the prompt, presses that read them):
    the press's `on_queries` (SentenceKV loads sentences); the layout the mask was built for may not change.
 4. transformers calls `update` (new tokens appended), and attention runs.
@@ -215,8 +216,12 @@ class SparseCache(RowState, Cache):
         call = AttentionCall(module, hidden, position_embeddings, forward.input_valid)
         call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
         ctx = forward.contexts[module.layer_idx] = Context(self, layer, call)
-        if self.press.selects_before_attention:
-            self.press.before_attention(ctx)
+        chosen = self.press.choose(ctx) if self.press.selects_before_attention else None
+        if chosen is not None:  # what the layer reads of its store
+            if self.compiled and forward.q_len == 1 and not forward.first:  # a compiled step: fixed shapes
+                layer.gather_in_place(*chosen[:2])
+            else:
+                layer.gather(*chosen)
         if not layer.compressed and not forward.own_masks:
             return KEEP_MASK
         # (the config is read only when needed: its attribute reads are slow, and this runs at every layer and step)

@@ -99,7 +99,7 @@ class Press:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for method, flag in (("before_attention", "selects_before_attention"), ("on_queries", "reads_step_queries")):
+        for method, flag in (("choose", "selects_before_attention"), ("on_queries", "reads_step_queries")):
             derived = getattr(cls, method) is not getattr(Press, method)
             # (declared by hand, as before they were derived)
             if flag in cls.__dict__ and cls.__dict__[flag] != derived:
@@ -174,8 +174,13 @@ class Press:
         """Before each model forward (`ctx.forward`, the forward about to run, its token ids in
         `forward.input_ids`; no layer): a plan that every layer of the forward shares goes to `ctx.plan`."""
 
-    def before_attention(self, ctx: Context) -> None:
-        """Before a layer's attention, before its mask: choose what the layer reads (selecting presses)."""
+    def choose(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, bool | None] | None:
+        """Before a layer's attention, before its mask: the store slots `(batch, n)` the layer reads in this
+        forward (the same for every KV head; a `StoreLayer`'s), which of them are real `(batch, n)`, and whether
+        all are (None: not known); None (the default): the layer reads what it holds. The core gathers them: anew,
+        or on a compiled cache's decoding step into the layer's tensors of a fixed width (then `n` is the same at
+        every step)."""
+        return None
 
     def on_queries(self, ctx: Context) -> None:
         """On forwards after the prompt, once the layer projected its queries, before attention

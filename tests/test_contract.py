@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESSES = ROOT / "sparsekv" / "presses"
 NAMED = {"ctx", "cache", "layer", "call", "forward"}  # the phases' argument, and the core objects, in press files
 # The helpers a press inherits (not the phases and factories it overrides).
-PHASES = {"new_layer", "new_state", "begin_forward", "before_attention", "on_queries", "compress", "after_step",
+PHASES = {"new_layer", "new_state", "begin_forward", "choose", "on_queries", "compress", "after_step",
           "end_forward", "crop", "read_piece", "prompt_tail", "min_kept", "score", "score_step", "label",
           "make_cache", "holds_budget_while_decoding"}
 HELPERS = {name for cls in (Press, ScorerPress) for name, value in vars(cls).items()

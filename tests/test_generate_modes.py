@@ -61,7 +61,7 @@ def tiny_press(cls, **budget) -> Press:
 
 def acts_while_decoding(cls) -> bool:
     """Whether a press does anything after the prompt (else it compresses the prompt only)."""
-    phases = ("begin_forward", "before_attention", "on_queries", "after_step", "score_step", "end_forward")
+    phases = ("begin_forward", "choose", "on_queries", "after_step", "score_step", "end_forward")
     return any(getattr(cls, m) is not getattr(Press, m) for m in phases)
 
 
@@ -446,8 +446,8 @@ def test_capabilities_follow_the_overrides():
     """The phases a press overrides are the ones the driver calls; a hand-made flag that disagrees is refused,
     naming the one to use."""
     class Selects(Press):
-        def before_attention(self, ctx):
-            pass
+        def choose(self, ctx):
+            return None
 
     class Reads(Press):
         def on_queries(self, ctx):

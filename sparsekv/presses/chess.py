@@ -322,12 +322,12 @@ class CHESSPress(Press):
                 state.summed, state.context = cache.layers[next(iter(state.columns))].logical_len, None
             read_stores(cache)
 
-    def before_attention(self, ctx: Context) -> None:
+    def choose(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, bool | None] | None:
+        """The working context: on a compiled cache's step, the one rewritten after every step (`chess_steps`);
+        else the one made after the last forward, when it changed (`end_forward`), None when it did not: the
+        layer then keeps its context and appends the step's token."""
         state = ctx.state
-        if state.context is not None:  # a compiled cache's step: its working context, gathered at every step
-            ctx.layer.gather_in_place(*state.context)
-        elif state.next_context is not None:  # made after the last forward (`end_forward`)
-            ctx.layer.gather(*state.next_context)
+        return (*state.context, False) if state.context is not None else state.next_context
 
     @torch.no_grad()
     def calibrate(self, model: torch.nn.Module, tokenizer: Any, texts: list[str], percentile: float = 99.0,
