@@ -32,7 +32,7 @@ import copy
 import io
 import time
 from collections import defaultdict
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
@@ -95,7 +95,7 @@ class SparseCache(RowState, Cache):
         self.one_layout = False
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
-        self.shared: dict | None = None  # prompt-only results, shared by the caches replayed from one Prefill
+        self.shared: dict | None = None  # prompt-only results of replays of one Prefill (`Context.prompt_work`)
         self._copies: dict[tuple, tuple] = {}  # per value of a row tensor: `on`, `largest_budget`
         self.state = press.new_state(self)
 
@@ -378,19 +378,6 @@ class SparseCache(RowState, Cache):
     def stats(self) -> CacheStats:
         """What the cache holds now (see `CacheStats`)."""
         return cache_stats(self)
-
-    def prompt_work(self, key: Hashable, compute: Callable[[], Any]) -> Any:
-        """`compute()`, or its result for the same `key` on the same prompt when one is at hand.
-
-        Presses wrap work that depends only on the prompt and on what `key` names (never on the budget), so
-        that a `Prefill` replayed under several presses or ratios does it once. The result is shared: do not
-        modify it in place.
-        """
-        if self.shared is None:
-            return compute()
-        if key not in self.shared:
-            self.shared[key] = compute()
-        return self.shared[key]
 
     def prompt_kept(self) -> dict[int, torch.Tensor]:
         """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens whose KV it reads now."""

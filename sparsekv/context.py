@@ -124,9 +124,15 @@ class Context:
         self.cache.forward.plan = value
 
     def prompt_work(self, key: Hashable, compute: Callable[[], Any]) -> Any:
-        """`compute()`, computed once per prompt when one recorded prefill is replayed under several presses
-        (`SparseCache.prompt_work`): work that depends on the prompt and on what `key` names alone."""
-        return self.cache.prompt_work(key, compute)
+        """`compute()`, or its result for the same `key` on the same prompt when one is at hand: a press wraps work
+        that depends only on the prompt and on what `key` names (never on the budget), so that a `Prefill` replayed
+        under several presses or ratios does it once. The result is shared: do not modify it in place."""
+        shared = self.cache.shared
+        if shared is None:
+            return compute()
+        if key not in shared:
+            shared[key] = compute()
+        return shared[key]
 
     # --- the objects themselves, for presses that keep a store --------------------------------------------------
     @property

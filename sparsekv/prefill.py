@@ -33,7 +33,7 @@ class Prefill:
         logits: next-token logits after the prompt, `(batch, 1, vocab)`.
         cache: the full (uncompressed) `DynamicCache` of the prompt.
         inputs: per compressed layer, the attention module's input: `(hidden_states, (cos, sin))`.
-        shared: results of presses' prompt-only work (`SparseCache.prompt_work`), reused by later replays.
+        shared: results of presses' prompt-only work (`Context.prompt_work`), reused by later replays.
     """
 
     input_ids: torch.Tensor

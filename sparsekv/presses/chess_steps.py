@@ -9,10 +9,10 @@ What differs from an eager step, and why:
 - The working set is a fixed number of context slots and the step's slot. Its width (`plan_steps`) is what a
   row can attend: the sink, window and partial pages, and the most blocks a selection can hold
   (`most_selected`); slots a row does not fill are masked. The context is gathered anew from the store at every
-  step (`CHESSPress.choose`, `StoreLayer.gather_in_place`), where the eager step gathers it when the window slides or a selection
-  changes it and appends tokens in between: the same tokens attended, in the same order. (What is written in
-  place is written before it is read, the store and the page sums: inductor copies a tensor whole at every step
-  to keep a value read before a write.)
+  step (`CHESSPress.choose`, `StoreLayer.gather_in_place`), where the eager step gathers it when the window
+  slides or a selection changes it and appends tokens in between: the same tokens attended, in the same order.
+  (What is written in place is written before it is read, the store and the page sums: inductor copies a tensor
+  whole at every step to keep a value read before a write.)
 - The step's keys join the page sums at once, every layer in one add, where the eager step sums them when a
   selection reads the sums (`catch_up`); added in the same order, so the sums are the same.
 - Algorithm 1 runs at every step, and its selection is taken in the rows whose uncertainty trigger fires
