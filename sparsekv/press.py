@@ -317,12 +317,19 @@ class ScorerPress(Press):
         """Importance of each prompt token, `(batch, kv_heads, prompt)`; higher is kept first, +inf always."""
         raise NotImplementedError
 
+    def head_budgets(self, ctx: Context, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """The tokens each row keeps on each KV head, from the prompt's `scores` `(batch, kv_heads, prompt)`
+        (padding -inf) and the row budgets `(batch,)`: `(batch,)` to keep each row's budget on every head (the
+        default), or `(batch, kv_heads)` to share it between the heads (head-wise budgets, as AdaKV does). Each
+        head then holds its own number of real tokens; the rest of its slots are fillers it never attends."""
+        return budgets
+
     def compress(self, ctx: Context) -> None:
         budgets = self.row_budgets(ctx)
         if budgets is None:  # every prompt kept whole
             return
         scores = self.score(ctx).masked_fill(~ctx.valid, float("-inf"))  # padding never kept
-        ctx.layer.keep(scores, budgets)
+        ctx.layer.keep(scores, self.head_budgets(ctx, scores, budgets))
 
 
 def check_compiled(press, layers: list, max_new_tokens: int | None) -> None:

@@ -16,7 +16,7 @@ NAMED = {"ctx", "cache", "layer", "call", "forward"}  # the phases' argument, an
 # The helpers a press inherits (not the phases and factories it overrides).
 PHASES = {"new_layer", "new_state", "begin_forward", "choose", "on_queries", "compress", "after_step",
           "end_forward", "crop", "read_piece", "prompt_tail", "min_kept", "score", "score_step", "label",
-          "make_cache", "holds_budget_while_decoding"}
+          "make_cache", "holds_budget_while_decoding", "head_budgets", "attended_beside"}
 HELPERS = {name for cls in (Press, ScorerPress) for name, value in vars(cls).items()
            if not name.startswith("_") and name not in PHASES
            and (callable(value) or isinstance(value, (staticmethod, classmethod)))}

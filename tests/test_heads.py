@@ -24,13 +24,9 @@ class HeadBudgetPress(ScorerPress):
     def score(self, ctx):
         return ctx.keys.float().norm(dim=-1)
 
-    def compress(self, ctx):
-        budgets = self.row_budgets(ctx)
-        if budgets is None:
-            return
+    def head_budgets(self, ctx, scores, budgets):
         share = torch.tensor(self.shares, device=budgets.device)
-        scores = self.score(ctx).masked_fill(~ctx.valid, float("-inf"))
-        ctx.layer.keep(scores, (budgets[:, None] * share).round().long())
+        return (budgets[:, None] * share).round().long()
 
 
 @dataclass
