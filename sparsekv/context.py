@@ -77,11 +77,12 @@ class Context:
         After it: over every slot the layer holds (free slots and padding never attended; a forward's later
         tokens unseen by its earlier ones).
         """
-        total = self.layer.keys.shape[-2] if self.prompt else self.cache.forward.q_len
+        layer = self.layer
+        total = layer.keys.shape[-2] if self.prompt else self.cache.forward.q_len  # the prompt's, or the forward's
         start, end = _index(start, total), total if end is None else _index(end, total)
         if self.prompt:
-            return self.call.prefill_probs(self.layer.keys, start, end)
-        layer, q_len = self.layer, self.cache.forward.q_len
+            return self.call.prefill_probs(layer.keys, start, end)
+        q_len = total
         visible = None if q_len == 1 and layer.all_valid else layer.valid[:, :, None, :]  # (b, h, 1, slots)
         if q_len > 1:  # the forward's tokens are its last slots, each seeing none after its own
             n = layer.keys.shape[-2]
@@ -94,14 +95,16 @@ class Context:
     def budgets(self) -> torch.Tensor | None:
         """`(batch,)` tokens each row keeps, on the layer's device (`Press.prompt_budgets`, set once the prompt
         is in); None for a press that keeps no number of tokens."""
-        if self.cache.budgets is None:
-            return None
-        return self.cache.on("budgets", self.layer.device if self.layer is not None else "cpu")
+        return None if self.cache.budgets is None else self._row_tensor("budgets")
 
     @property
     def prompt_start(self) -> torch.Tensor:
         """`(batch,)` each row's first real token (its left padding's length), on the layer's device."""
-        return self.cache.on("prompt_start", self.layer.device if self.layer is not None else "cpu")
+        return self._row_tensor("prompt_start")
+
+    def _row_tensor(self, name: str) -> torch.Tensor:
+        """The cache's row tensor `name` on the layer's device (the CPU at a forward's first and last events)."""
+        return self.cache.on(name, self.layer.device if self.layer is not None else "cpu")
 
     @property
     def q_len(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .context import Context
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Forward:
     draft: bool = False
     continues_prompt: bool = False
     own_masks: bool = False
-    contexts: dict[int, Any] = field(default_factory=dict)
+    contexts: dict[int, Context] = field(default_factory=dict)
     plan: Any = None
     victims: torch.Tensor | None = None
     mask: Any = None
