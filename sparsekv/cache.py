@@ -217,11 +217,9 @@ class SparseCache(RowState, Cache):
         call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
         ctx = forward.contexts[module.layer_idx] = Context(self, layer, call)
         chosen = self.press.choose(ctx) if self.press.selects_before_attention else None
-        if chosen is not None:  # what the layer reads of its store
-            if self.compiled and forward.q_len == 1 and not forward.first:  # a compiled step: fixed shapes
-                layer.gather_in_place(*chosen[:2])
-            else:
-                layer.gather(*chosen)
+        if chosen is not None:  # what the layer reads of its store; a compiled step's keeps its shapes
+            compiled_step = self.compiled and forward.q_len == 1 and not forward.first
+            layer.gather_in_place(*chosen[:2]) if compiled_step else layer.gather(*chosen)
         if not layer.compressed and not forward.own_masks:
             return KEEP_MASK
         # (the config is read only when needed: its attribute reads are slow, and this runs at every layer and step)
@@ -305,10 +303,11 @@ class SparseCache(RowState, Cache):
 
     def ready_for_steps(self) -> None:
         """After a forward of several tokens on a `compiled` cache (or rows joined into one), what its steps read
-        is made, eagerly: the row tensors on each layer's device (`on`, `largest_budget`), and each layer's room
-        (`KVLayer.make_step_room`): free slots up to the budget under a press that holds it while decoding (then
-        one eviction a step), else for `max_new_tokens` more tokens. A compiled step then finds them alike at every
-        step, and every layer keeps its shape."""
+        is made, eagerly: the row tensors on each layer's device (`on`, `largest_budget`), the store slots the
+        press chose for the first step (`choose`), and each layer's room (`KVLayer.make_step_room`): free slots
+        up to the budget under a press that holds it while decoding (one eviction a step), else for
+        `max_new_tokens` more tokens. A compiled step then finds them alike at every step, and every layer keeps
+        its shape."""
         holds = self.press.holds_budget_while_decoding()
         if self.prompt_lengths is None or (holds and self.budgets is None):
             return
@@ -319,6 +318,9 @@ class SparseCache(RowState, Cache):
             for name in ("prompt_start", "budgets"):
                 if getattr(self, name) is not None:  # (a press that keeps every token may set no budgets)
                     self.on(name, layer.device)
+            chosen = self.press.choose(Context(self, layer)) if self.press.selects_before_attention else None
+            if chosen is not None:  # what the first step reads of the store, which the step's slot joins
+                layer.gather(*chosen)
             layer.make_step_room(self.largest_budget - layer.slots if holds
                                  else self.max_new_tokens - layer.free_slots())
         layers = self.compressed_layers()

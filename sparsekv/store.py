@@ -173,10 +173,16 @@ class StoreLayer(KVLayer):
             "keys": self.store_keys.gather(2, index.expand(b, h, -1, d)),
             "values": self.store_values.gather(2, index.expand(b, h, -1, self.store_values.shape[-1]))})
 
-    def step_token(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A compiled cache's step token: its keys `(batch, kv_heads, 1, head_dim)` and position `(batch,)`."""
-        slot = self._views.slot_n()
-        return slot["keys"], slot["positions"][:, 0, 0]
+    def last_tokens(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys `(batch, kv_heads, q, head_dim)` of the last forward's `q` tokens and their store slots `(batch,
+        q)` (a store that records every token: slot = position), read where they are: a compiled step's in its
+        step slot, its position on the device."""
+        if self._views is not None and self._views.held_by(self):
+            slot = self._views.slot_n()
+            return slot["keys"], slot["positions"][:, 0, :1]
+        b, end = self.store_keys.shape[0], self.logical_len
+        slots = torch.arange(end - q, end, device=self.store_keys.device).expand(b, q)
+        return self.store_keys[:, :, end - q:end], slots
 
     def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, loaded: int = 0) -> None:
         """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store, and the

@@ -7,7 +7,6 @@ import torch
 from conftest import DEVICE, greedy, make_model, make_tokenizer, prompt
 
 from sparsekv import CHESSPress, StoreLayer, make_press
-from sparsekv.context import Context
 from sparsekv.presses.chess import PRESETS, uncertainty
 from sparsekv.presses.chess_pages import pad_columns
 
@@ -63,8 +62,7 @@ def test_page_vectors_equal_a_recomputation_after_many_steps(pre_rope, schedule)
     finally:
         for hook in hooks:
             hook.remove()
-    # page vectors are brought up to date at each selection: with a selection every 7 steps, the last was at 49
-    total = n + steps - (steps % 7 if "reselect_every" in schedule else 0)
+    total = n + steps  # every forward's keys are in the sums after it, whether it selected or not
     sums = cache.state.page_sums
     for row, start in enumerate([0, 20]):
         for i, layer in enumerate(cache.layers):
@@ -304,19 +302,25 @@ def test_reselection_happens_exactly_when_both_thresholds_are_crossed():
     calm = torch.full((1, 1, vocab), -1e4, device=DEVICE)
     calm[..., 5] = 0.0
     uniform = torch.zeros(1, 1, vocab, device=DEVICE)  # high entropy, no varentropy
+    given = {}  # the next-token logits each step's forward returns, in place of the model's
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: given.pop("logits", out))
     press = chess(preset="moderate", entropy_threshold=entropy - 0.01, varentropy_threshold=varentropy - 0.01)
-    with press(model):
-        cache = model(prompt(60)).cache
-        assert selections(cache) == 1  # always after the prompt
-        for logits, selects in [(calm, False), (mixed, True), (uniform, False), (calm, False), (mixed, True)]:
-            before = selections(cache)
-            press.end_forward(Context(cache, logits=logits))
-            assert selections(cache) - before == int(selects)
-    strict = chess(preset="moderate", entropy_threshold=entropy + 0.01, varentropy_threshold=0.0)
-    with strict(model):
-        cache = model(prompt(60)).cache
-        strict.end_forward(Context(cache, logits=mixed))
-        assert selections(cache) == 1
+    try:
+        with press(model):
+            cache = model(prompt(60)).cache
+            assert selections(cache) == 1  # always after the prompt
+            for logits, selects in [(calm, False), (mixed, True), (uniform, False), (calm, False), (mixed, True)]:
+                before, given["logits"] = selections(cache), logits
+                model(prompt(1), cache=cache)
+                assert selections(cache) - before == int(selects)
+        strict = chess(preset="moderate", entropy_threshold=entropy + 0.01, varentropy_threshold=0.0)
+        with strict(model):
+            cache = model(prompt(60)).cache
+            given["logits"] = mixed
+            model(prompt(1), cache=cache)
+            assert selections(cache) == 1
+    finally:
+        hook.remove()
 
 
 def test_reselect_every_n_steps_and_always():
@@ -471,7 +475,7 @@ def test_a_selection_holds_no_more_blocks_than_a_compiled_step_reads(options):
     """A compiled cache's working context has a fixed width: the blocks always attended and the most a selection
     can hold on rows of at most that many blocks (`most_selected`). Algorithm 1's selections, on rows of any
     length up to it and scores without ties, never hold more."""
-    from sparsekv.presses.chess_steps import most_selected
+    from sparsekv.presses.chess_pages import most_selected
 
     press = CHESSPress(**options)
     g = torch.Generator().manual_seed(0)

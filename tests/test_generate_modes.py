@@ -221,7 +221,6 @@ def test_crop_forgets_the_rejected_tokens(press_cls):
             assert torch.equal(a.positions, b.positions) and torch.allclose(a.keys, b.keys)
     if isinstance(cropped.state, sparsekv.presses.chess.CHESSState):
         torch.testing.assert_close(cropped.state.page_sums, direct.state.page_sums)
-        assert cropped.state.summed <= 65
     if sentence:
         # The mean query keeps the kept token's query and loses the rejected ones'. Layer 0's queries do not depend
         # on what attention read, so there it equals the direct forward's; a deeper layer's query of the kept token

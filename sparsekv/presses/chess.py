@@ -15,9 +15,9 @@ from ..press import Press
 from ..store import StoreLayer
 from .chess_options import PRESETS, settle_options
 from .chess_pages import (
-    CHESSState, accumulate, budget_retention, catch_up, pad_columns, read_stores, take_back, working_context,
+    CHESSState, accumulate, add_forward_keys, budget_retention, pad_columns, plan_steps, read_stores, take_back,
+    working_context,
 )
-from .chess_steps import end_step, plan_steps
 
 
 def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +109,7 @@ class CHESSPress(Press):
     pooling: str | None = None  # "max", or "mean" with `paper`
     paper: bool = False
     reads_prompt_in_pieces: ClassVar[bool] = True  # it keeps every token and selects again after a continued prompt
-    compiled_decoding: ClassVar[bool] = True  # over fixed shapes (`chess_steps`)
+    compiled_decoding: ClassVar[bool] = True  # over fixed shapes (`chess_pages.plan_steps`)
 
     def __post_init__(self):
         settle_options(self)
@@ -138,70 +138,83 @@ class CHESSPress(Press):
     def compress(self, ctx: Context) -> None:
         state, i, rope = ctx.state, ctx.layer_idx, ctx.call.position_embeddings
         accumulate(self, ctx.cache, ctx.layer, i, 0, rope)
-        state.summed = ctx.layer.logical_len
         if rope is None:
             state.unrotated.add(i)
         elif state.rope_layer in (None, i):
             state.rope_layer, state.last_rope = i, rope
 
     def after_step(self, ctx: Context) -> None:
-        state = ctx.state
-        if self.pre_rope and ctx.layer_idx == state.rope_layer:  # the rotary layers share the table
-            rope = ctx.call.position_embeddings
-            if state.context is not None:  # a compiled cache's step sums its keys now (`end_step`)
-                ctx.plan = rope
-                return
-            state.rope.append(rope)
-            state.last_rope = rope
+        if self.pre_rope and ctx.layer_idx == ctx.state.rope_layer:  # the rotary layers share the table
+            ctx.plan = ctx.call.position_embeddings  # the forward's (cos, sin): its keys join the sums at its end
 
     def crop(self, cache: SparseCache, length: int) -> None:
-        """A rejected draft: its keys leave the page sums and their RoPE is forgotten (`take_back`), and a working
-        context planned with them is planned again."""
+        """A rejected draft: its keys leave the page sums (`take_back`), and a working context planned with them
+        is planned again."""
         state = cache.state
         if state.page_sums is None:
             return
-        if state.context is not None:
+        if cache.compiled:
             raise ValueError("CHESSPress: a compiled cache cannot be cropped (its steps keep the page sums "
-                             "current); make the cache without compiled=True.")
+                             "current in place); make the cache without compiled=True.")
         take_back(self, cache, length)
-        if state.next_context is not None:
-            start = cache.on("prompt_start", state.next_context[0].device)
-            state.next_context = self.working_context(state.selected, length - start, start)
+        if state.fresh:
+            start = cache.on("prompt_start", state.context[0].device)
+            state.context = working_context(self, state.selected, length - start, start)
 
     def end_forward(self, ctx: Context) -> None:
-        state, cache, logits = ctx.state, ctx.cache, ctx.logits
-        state.next_context = None  # the forward's layers gathered it
+        """After every forward, eager or compiled, one path: the forward's keys join the page sums; after a
+        prompt, or a step whose trigger fires, Algorithm 1 selects; the working context of the next forward."""
+        state, cache, forward = ctx.state, ctx.cache, ctx.forward
+        state.fresh = False  # the forward's layers gathered the last context
         if state.page_sums is None:
             return
-        if state.context is not None:  # a step on a compiled cache
-            end_step(self, cache, logits)
-            return
-        layer = cache.layers[next(iter(state.columns))]
-        lengths = layer.logical_len - cache.on("prompt_start", layer.keys.device)  # real tokens per row
-        # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
-        complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(self.page_size, rounding_mode="floor")
-        continued = cache.forward is not None and cache.forward.continues_prompt
-        if state.selected is None or continued:  # a prompt, the first or a continued one
+        first = state.selected is None
+        prompt = first or forward.continues_prompt  # the first prompt or a continued one: read whole, selected for
+        # A compiled cache's step keeps its shapes and the addresses its graph holds: its state is written in place.
+        in_place = cache.compiled and not prompt
+        start = cache.on("prompt_start", state.page_sums.device)
+        if first:  # its keys were summed as it was compressed (`compress`)
+            lengths = cache.layers[next(iter(state.columns))].logical_len - start
+        else:
+            lengths = add_forward_keys(self, cache, forward.q_len, ctx.plan)[:, -1] + 1 - start
+        if prompt:
             trigger = torch.ones_like(lengths, dtype=torch.bool)
             if state.steps is None:
                 state.steps = torch.zeros_like(lengths)
         else:
             state.steps += 1
-            trigger = self.triggers(logits[:, -1], state.steps)
-        reselect = bool(trigger.any())  # the step's one read on the host (uncertainty needs the logits)
+            trigger = self.triggers(ctx.logits[:, -1], state.steps)
+        # Algorithm 1 in the rows whose trigger fires: a compiled step runs it and keeps the rows' choice with a
+        # `where`, reading nothing on the host; an eager one reads the trigger (its one read) and runs it if one does.
+        reselects = self.reselect_every is not None or self.reselect != "never"
+        reselect = prompt or reselects and (in_place or bool(trigger.any()))
         if reselect:
-            catch_up(self, cache)
-            fresh = self.blocks_of(self.select(state.page_sums, lengths)[-1])
-            state.selected = fresh if state.selected is None else torch.where(
-                trigger[:, None], fresh, pad_columns(state.selected, fresh.shape[1]))
-            state.selections = trigger.long() if state.selections is None else state.selections + trigger
-        if cache.compiled:  # after a prompt: the steps' fixed shapes, and the first one's working set
-            plan_steps(self, cache, lengths)
+            fresh = self.blocks_of(self.select(state.page_sums, lengths, None if prompt else state.most)[-1])
+            selected = fresh if first else torch.where(trigger[:, None], fresh, pad_columns(state.selected,
+                                                                                            fresh.shape[1]))
+            if in_place:
+                state.selected.copy_(selected)
+                state.selections.add_(trigger)
+            else:
+                state.selected = selected
+                state.selections = trigger.long() if first else state.selections + trigger
+        width = None  # eagerly, the widest row's context; a compiled cache's fixed one, planned after its prompt
+        if cache.compiled and prompt:
+            width = plan_steps(self, cache, lengths)
+        elif in_place:  # rewritten at every step (its width a size: a constant of the graph, not an input)
+            width = state.context[0].shape[1] // self.page_stride
+            for old, new in zip(state.context[:2], working_context(self, state.selected, lengths, start, width)):
+                old.copy_(new)
+            state.fresh = True
             return
+        if not first:
+            state.last_rope = ctx.plan
+        # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
+        layer = cache.layers[next(iter(state.columns))]
+        complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(self.page_size, rounding_mode="floor")
         if reselect or not torch.equal(complete, state.built_at):
-            state.next_context = self.working_context(state.selected, lengths,
-                                                      cache.on("prompt_start", lengths.device))
-            state.built_at = complete
+            state.context = working_context(self, state.selected, lengths, start, width)
+            state.built_at, state.fresh = complete, True
             cache.counts["rebuilds"] += 1
 
     def triggers(self, logits: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -273,7 +286,7 @@ class CHESSPress(Press):
                   most: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Algorithm 1 from the pages' scores `s_page` and the candidate pages, both `(batch, pages)`: as `select`
         (`retention`: `retention_for` the rows, default `retention`). `most` `(batch,)`: keep at most this many
-        pages per row, the best (a compiled step's fixed width, `chess_steps.most_selected`, which only pages tied
+        pages per row, the best (a compiled step's fixed width, `chess_pages.most_selected`, which only pages tied
         at a quantile can exceed); None: every page Algorithm 1 keeps."""
         n_pages = s_page.shape[1]
         # Eq. 2 then eq. 4: a chunk's (grid's) vector is the mean of its candidate children, and the dot product is
@@ -305,29 +318,21 @@ class CHESSPress(Press):
             pooled = masked_mean(scores[..., None], active, dim=2)[..., 0]
         return pooled, active.any(-1)
 
-    def working_context(self, selected: torch.Tensor, lengths: torch.Tensor, prompt_start: torch.Tensor,
-                        width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The store slots attention reads: the blocks of sink, selected and window pages and the partial page
-        (`width`: as many blocks, a compiled step's; None: as many as the widest row attends)."""
-        return working_context(self, selected, lengths, prompt_start, width)
-
     def begin_forward(self, ctx: Context) -> None:
         forward, state, cache = ctx.forward, ctx.state, ctx.cache
-        if state.context is not None and forward.q_len > 1 and not forward.continues_prompt:
+        if cache.compiled and state.selected is not None and forward.q_len > 1 and not forward.continues_prompt:
             raise ValueError("CHESSPress: a compiled cache decodes one token a step, and this forward verifies a "
                              "draft of several (assisted decoding, prompt lookup); make the cache without "
                              "compiled=True for them.")
         if forward.continues_prompt and state.selected is not None:  # read whole, selected for after it
-            if state.context is not None:  # a compiled cache's steps summed their keys; it plans them again after
-                state.summed, state.context = cache.layers[next(iter(state.columns))].logical_len, None
+            state.reach = state.most = None  # (a compiled cache's steps are planned again after it)
             read_stores(cache)
 
     def choose(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, bool | None] | None:
-        """The working context: on a compiled cache's step, the one rewritten after every step (`chess_steps`);
-        else the one made after the last forward, when it changed (`end_forward`), None when it did not: the
-        layer then keeps its context and appends the step's token."""
+        """The working context made after the last forward when it changed (`end_forward`; a compiled cache's at
+        every step), None when it did not: the layer then keeps its working set and appends the step's token."""
         state = ctx.state
-        return (*state.context, False) if state.context is not None else state.next_context
+        return state.context if state.fresh else None
 
     @torch.no_grad()
     def calibrate(self, model: torch.nn.Module, tokenizer: Any, texts: list[str], percentile: float = 99.0,
