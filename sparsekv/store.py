@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from .buffers import step_state
+from .buffers import span, step_state
 from .layers import KVLayer, per_head
 from .state import padded
 
@@ -173,16 +173,20 @@ class StoreLayer(KVLayer):
             "keys": self.store_keys.gather(2, index.expand(b, h, -1, d)),
             "values": self.store_values.gather(2, index.expand(b, h, -1, self.store_values.shape[-1]))})
 
-    def last_tokens(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys `(batch, kv_heads, q, head_dim)` of the last forward's `q` tokens and their store slots `(batch,
-        q)` (a store that records every token: slot = position), read where they are: a compiled step's in its
-        step slot, its position on the device."""
+    def last_keys(self, q: int) -> torch.Tensor:
+        """The keys `(batch, kv_heads, q, head_dim)` of the last forward's `q` tokens, read where they are: a
+        compiled step's in its step slot (a store that records every token)."""
         if self._views is not None and self._views.held_by(self):
-            slot = self._views.slot_n()
-            return slot["keys"], slot["positions"][:, 0, :1]
-        b, end = self.store_keys.shape[0], self.logical_len
-        slots = torch.arange(end - q, end, device=self.store_keys.device).expand(b, q)
-        return self.store_keys[:, :, end - q:end], slots
+            return self._views.slot_n()["keys"]
+        return span(self.store_keys, 2, self.logical_len - q, q)  # (one view: a slice is three ops)
+
+    def last_slots(self, q: int) -> torch.Tensor:
+        """The store slots `(batch, q)` of the last forward's `q` tokens (slot = position, in a store that records
+        every token): a compiled step's read on the device."""
+        if self._views is not None and self._views.held_by(self):
+            return self._views.slot_n()["positions"][:, 0, :1]
+        end = self.logical_len
+        return torch.arange(end - q, end, device=self.store_keys.device).expand(self.store_keys.shape[0], q)
 
     def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, loaded: int = 0) -> None:
         """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store, and the
