@@ -112,13 +112,13 @@ def add_forward_keys(press, cache, q: int, rope) -> torch.Tensor:
     (cos, sin), to undo RoPE (`pre_rope`). Returns the tokens' store slots `(batch, q)`, read where they are (a
     compiled step's on the device)."""
     state = cache.state
-    keys = {i: cache.layers[i].last_keys(q) for i in state.columns}
+    layer_keys = {i: cache.layers[i].last_keys(q) for i in state.columns}
     slots = cache.layers[next(iter(state.columns))].last_slots(q)
     if state.unrotated:  # NoPE layers among them: RoPE undone layer by layer, where it was applied
         keys = torch.cat([rotate(k, None if i in state.unrotated or not press.pre_rope else rope, inverse=True)
-                          for i, k in keys.items()], dim=1)
+                          for i, k in layer_keys.items()], dim=1)
     else:  # every layer's keys at once (`(batch, layers * kv_heads, q, head_dim)`, in column order): one rotation
-        keys = rotate(torch.cat(list(keys.values()), dim=1), rope if press.pre_rope else None, inverse=True)
+        keys = rotate(torch.cat(list(layer_keys.values()), dim=1), rope if press.pre_rope else None, inverse=True)
     keys = keys.permute(0, 2, 1, 3).flatten(2).float()  # (batch, q, columns)
     start = cache.on("prompt_start", slots.device)
     if state.reach is None:  # eagerly, the sums grow to the forward's last token (read on the host)
