@@ -321,7 +321,8 @@ class SparseCache(RowState, Cache):
             chosen = self.press.choose(Context(self, layer)) if self.press.selects_before_attention else None
             if chosen is not None:  # what the first step reads of the store, which the step's slot joins
                 layer.gather(*chosen)
-            layer.make_step_room(self.largest_budget - layer.slots if holds
+            largest = self.largest_budget if layer.largest_budget is None else layer.largest_budget
+            layer.make_step_room(largest - layer.slots if holds
                                  else self.max_new_tokens - layer.free_slots())
         layers = self.compressed_layers()
         self.one_layout = all(layer.device == layers[0].device and layer.slots == layers[0].slots

@@ -151,7 +151,8 @@ def _index(i: int, total: int) -> int:
 def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bool = False) -> None:
     """The core's eviction after a later forward: the lowest-scored real tokens of `ctx.layer` (`score()`,
     `(batch, kv_heads, slots)`, called only on a layer over its budget) are evicted until each row is back within
-    its budget (`KVLayer.hold_budget`), one per row and head after a decoding step's token. The tokens of a draft
+    its budget (`KVLayer.hold_budget`; each head within its own where the layer keeps head-wise budgets,
+    `KVLayer.budgets`), one per row and head after a decoding step's token. The tokens of a draft
     being verified, or of a forward of several, are never evicted while they fit the budget: a rejected draft can
     be cropped.
 
@@ -159,15 +160,16 @@ def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bo
     (`Press.scores_by_position`), so a decoding step's victims are found at its first layer and serve every layer
     (the forward keeps them): a step scores and searches once, not once a layer.
     """
-    cache, layer = ctx.cache, ctx.layer
-    forward, largest = cache.forward, cache.largest_budget
+    cache, layer, forward = ctx.cache, ctx.layer, ctx.cache.forward
+    own = layer.budgets is not None  # head-wise budgets, the layer's own; else each row's, every layer alike
+    budgets, largest = (layer.budgets, layer.largest_budget) if own else (cache.on("budgets", layer.device),
+                                                                          cache.largest_budget)
     if layer.slots <= largest:  # every row within its budget
         return
-    if by_position and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
+    if by_position and not own and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
         if forward.victims is None:
-            forward.victims = layer.victims(score(), cache.on("budgets", layer.device))
+            forward.victims = layer.victims(score(), budgets)
         victims = forward.victims
         layer.evict(victims if victims.device == layer.device else victims.to(layer.device))  # (a split model)
     else:
-        layer.hold_budget(score(), cache.on("budgets", layer.device), largest,
-                          keep_new=forward.q_len > 1 or forward.draft)
+        layer.hold_budget(score(), budgets, largest, keep_new=forward.q_len > 1 or forward.draft)

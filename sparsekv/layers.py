@@ -60,6 +60,10 @@ class KVLayer(RowState, CacheLayerMixin):
         self.new_tokens = 0  # tokens of the last forward (`update`)
         self.all_valid = True  # no filler or padding slot: decoding needs no mask
         self.heads_agree = True
+        # Head-wise budgets `(batch, heads)` `keep` was given, and their largest: what each head holds while
+        # decoding too (`context.hold_budget`); None: each row's budget, on every head (`SparseCache.budgets`).
+        self.budgets: torch.Tensor | None = None
+        self.largest_budget: int | None = None
         self._views: StepViews | None = None  # an evicting layer's step views (`evict`), while they hold
 
     @property
@@ -160,7 +164,8 @@ class KVLayer(RowState, CacheLayerMixin):
     # --- selection plumbing, used by presses -------------------------------------------------------------------
     def keep(self, scores: torch.Tensor, budgets: torch.Tensor) -> None:
         """Keep, per row and head, the `budgets` slots with the highest `scores` `(batch, heads, slots)`: `budgets`
-        `(batch,)` per row, or `(batch, heads)` per row and head (head-wise budgets).
+        `(batch,)` per row, or `(batch, heads)` per row and head (head-wise budgets, which the layer holds while
+        decoding: `self.budgets`).
 
         Slots scored `-inf` (padding) are never kept as real tokens: a head with fewer other slots than its budget
         keeps those (under row budgets, every head of the row keeps as few, so that its heads agree). Heads keeping
@@ -169,6 +174,7 @@ class KVLayer(RowState, CacheLayerMixin):
         scored = (scores > float("-inf")).sum(-1)  # (batch, heads)
         budgets = budgets.to(scores.device)
         heads_agree = budgets.dim() == 1
+        self.budgets, self.largest_budget = (None, None) if heads_agree else (budgets, int(budgets.max()))
         budgets = torch.minimum(budgets[:, None], scored.amin(-1, keepdim=True)) if heads_agree \
             else torch.minimum(budgets, scored)  # (batch, 1) or (batch, heads)
         n_keep = int(budgets.max())

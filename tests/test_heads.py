@@ -4,10 +4,12 @@ attention reads each head's own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
-from conftest import DEVICE, make_model, prompt
+from conftest import DEVICE, greedy, make_model, prompt
+from transformers import CompileConfig
 
 from sparsekv import ScorerPress
 from sparsekv.layers import KVLayer
@@ -27,6 +29,16 @@ class HeadBudgetPress(ScorerPress):
     def head_budgets(self, ctx, scores, budgets):
         share = torch.tensor(self.shares, device=budgets.device)
         return (budgets[:, None] * share).round().long()
+
+
+@dataclass
+class DecodingHeadBudgetPress(HeadBudgetPress):
+    """`HeadBudgetPress` holding its budgets while decoding: a step evicts the keys of smallest norm."""
+
+    compiled_decoding: ClassVar[bool] = True
+
+    def score_step(self, ctx):
+        return ctx.keys.float().norm(dim=-1)
 
 
 @dataclass
@@ -146,3 +158,43 @@ def test_a_head_never_reads_the_tokens_it_did_not_keep(impl):
             layer.values.copy_(values.masked_fill(garbage, -1e4))
         after = model(step, cache=cache).logits
     torch.testing.assert_close(before, after)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_each_head_holds_its_own_budget_while_decoding(compiled):
+    """Heads given 8 and 24 of a row's 16 at the prompt hold 8 and 24 at every step after it, evicting each its
+    own lowest-scored token (not the row's 16 on both: the head given less would fill back up); on a cache laid
+    out for compiled steps too (each layer's room up to its own largest budget)."""
+    model = make_model("llama")
+    ids = prompt(40).to(DEVICE)
+    press = DecodingHeadBudgetPress(budget=16, shares=(0.5, 1.5))
+    expected = torch.tensor([[8, 24]], device=DEVICE)
+    with press(model):
+        cache = press.make_cache(model, compiled=compiled, max_new_tokens=6 if compiled else None)
+        out = model(ids, cache=cache)
+        for _ in range(6):
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache)
+            for layer in cache.compressed_layers():
+                assert torch.equal(layer.valid.sum(-1), expected)
+                assert layer.slots == 24
+
+
+def test_head_wise_budgets_held_while_decoding_compile_with_the_eager_tokens():
+    """The same press, generate's decoding steps traced (dynamo, the graphs run as traced): the eager tokens, and
+    each head at its own budget after them."""
+    model = make_model("llama")
+    ids = prompt(40).to(DEVICE)
+    press = DecodingHeadBudgetPress(budget=16, shares=(0.5, 1.5))
+    config = CompileConfig(backend=lambda gm, inputs: gm.forward, mode=None)
+    config._compile_all_devices = True  # (transformers compiles on a CPU only when told to)
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            eager = greedy(model, ids, new=6)
+            cache = press.make_cache(model, compiled=True, max_new_tokens=6)
+            compiled = greedy(model, ids, new=6, cache=cache, compile_config=config)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    for layer in cache.compressed_layers():
+        assert torch.equal(layer.valid.sum(-1), torch.tensor([[8, 24]], device=DEVICE))
