@@ -321,9 +321,10 @@ class SparseCache(RowState, Cache):
             chosen = self.press.choose(Context(self, layer)) if self.press.selects_before_attention else None
             if chosen is not None:  # what the first step reads of the store, which the step's slot joins
                 layer.gather(*chosen)
-            largest = self.largest_budget if layer.largest_budget is None else layer.largest_budget
-            layer.make_step_room(largest - layer.slots if holds
-                                 else self.max_new_tokens - layer.free_slots())
+            if holds:  # room up to the largest budget: the row's, or the layer's own head-wise one
+                layer.make_step_room((layer.largest_budget or self.largest_budget) - layer.slots)
+            else:
+                layer.make_step_room(self.max_new_tokens - layer.free_slots())
         layers = self.compressed_layers()
         self.one_layout = all(layer.device == layers[0].device and layer.slots == layers[0].slots
                               and torch.equal(layer.valid, layers[0].valid) for layer in layers)
