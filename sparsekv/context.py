@@ -162,8 +162,7 @@ def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bo
     """
     cache, layer, forward = ctx.cache, ctx.layer, ctx.cache.forward
     own = layer.budgets is not None  # head-wise budgets, the layer's own; else each row's, every layer alike
-    budgets, largest = (layer.budgets, layer.largest_budget) if own else (cache.on("budgets", layer.device),
-                                                                          cache.largest_budget)
+    budgets, largest = (layer.budgets, layer.largest_budget) if own else (ctx.budgets, cache.largest_budget)
     if layer.slots <= largest:  # every row within its budget
         return
     if by_position and not own and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:

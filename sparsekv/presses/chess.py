@@ -173,8 +173,9 @@ class CHESSPress(Press):
         # A compiled cache's step keeps its shapes and the addresses its graph holds: its state is written in place.
         in_place = cache.compiled and not prompt
         start = cache.on("prompt_start", state.page_sums.device)
+        layer = cache.layers[next(iter(state.columns))]  # (every compressed layer holds the same tokens)
         if first:  # its keys were summed as it was compressed (`compress`)
-            lengths = cache.layers[next(iter(state.columns))].logical_len - start
+            lengths = layer.logical_len - start
         else:
             lengths = add_forward_keys(self, cache, forward.q_len, ctx.plan)[:, -1] + 1 - start
         if prompt:
@@ -210,7 +211,6 @@ class CHESSPress(Press):
         if not first:
             state.last_rope = ctx.plan
         # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
-        layer = cache.layers[next(iter(state.columns))]
         complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(self.page_size, rounding_mode="floor")
         if reselect or not torch.equal(complete, state.built_at):
             state.context = working_context(self, state.selected, lengths, start, width)

@@ -113,7 +113,8 @@ def add_forward_keys(press, cache, q: int, rope) -> torch.Tensor:
     compiled step's on the device)."""
     state = cache.state
     layer_keys = {i: cache.layers[i].last_keys(q) for i in state.columns}
-    slots = cache.layers[next(iter(state.columns))].last_slots(q)
+    layer = cache.layers[next(iter(state.columns))]  # (every compressed layer holds the same tokens)
+    slots = layer.last_slots(q)
     if state.unrotated:  # NoPE layers among them: RoPE undone layer by layer, where it was applied
         keys = torch.cat([rotate(k, None if i in state.unrotated or not press.pre_rope else rope, inverse=True)
                           for i, k in layer_keys.items()], dim=1)
@@ -122,8 +123,8 @@ def add_forward_keys(press, cache, q: int, rope) -> torch.Tensor:
     keys = keys.permute(0, 2, 1, 3).flatten(2).float()  # (batch, q, columns)
     start = cache.on("prompt_start", slots.device)
     if state.reach is None:  # eagerly, the sums grow to the forward's last token (read on the host)
-        end = cache.layers[next(iter(state.columns))].logical_len
-        grow_sums(press, cache, end - int(cache.on("prompt_start", "cpu").min()), slots.device, keys.shape[-1])
+        grow_sums(press, cache, layer.logical_len - int(cache.on("prompt_start", "cpu").min()), slots.device,
+                  keys.shape[-1])
     else:  # a compiled cache's: past the planned positions, an error, never a window cut short
         torch._assert_async((slots < state.reach[:, None]).all(), "sparsekv: a compiled CHESS cache has no room "
                             "left for the next step's context (it decoded the tokens it was made for): make it "
