@@ -10,6 +10,7 @@ device synchronised), and the first `--warmup` steps are left out: a compiled ge
 there. A compiled configuration's compile time is its first generation's time beyond its median generation's.
 
     python -m benchmarks.compiled_decode --shape host-bound --length 2048 --presses streamingllm,h2o,snapkv,chunkkv
+    python -m benchmarks.compiled_decode --shape host-bound --tokenizer smollm2-135m --presses sentencekv
     python -m benchmarks.compiled_decode --model smollm2-135m --length 4096 --presses streamingllm,h2o,snapkv,chunkkv
     python -m benchmarks.compiled_decode --shape llama-3.1-8b --device cuda --length 32768 --batch 1,8
 
@@ -33,7 +34,7 @@ from sparsekv.cli import placement, placement_args
 from sparsekv.cli.args import csv
 from sparsekv.environment import environment
 from sparsekv.evaluation.presses import make_press
-from sparsekv.models import load_model
+from sparsekv.models import load_model, load_tokenizer
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
 
@@ -72,8 +73,10 @@ def generation(model, ids: torch.Tensor, new: int, cache=None, compile_config=No
     return clock, time.perf_counter() - start, out[:, ids.shape[1]:]
 
 
-def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new: int, config: CompileConfig):
-    """Per configuration name, a function that runs one generation of it: `(step clock, seconds, tokens)`."""
+def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new: int, config: CompileConfig,
+                   tokenizer=None):
+    """Per configuration name, a function that runs one generation of it: `(step clock, seconds, tokens)`;
+    `tokenizer`: for presses that read text (SentenceKV)."""
     oracle_ids = ids[:, -max(1, round(ratio * ids.shape[1])):]
     runs = {
         "oracle eager": lambda: generation(model, oracle_ids, new),
@@ -83,7 +86,8 @@ def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new
     }
     for spec in specs:
         def run(spec=spec, compiled=False):
-            with dataclasses.replace(make_press(spec, ratio=ratio), compile=compiled)(model):  # (room: generate's)
+            press = make_press(spec, ratio=ratio, tokenizer=tokenizer)
+            with dataclasses.replace(press, compile=compiled)(model):  # (room: generate's)
                 return generation(model, ids, new, None, config if compiled else None)
 
         runs[f"{spec} eager"] = run
@@ -93,11 +97,11 @@ def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new
 
 @torch.no_grad()
 def measure(model, ids: torch.Tensor, specs: list[str], ratio: float, new: int, warmup: int, repeats: int,
-            config: CompileConfig) -> list[dict]:
+            config: CompileConfig, tokenizer=None) -> list[dict]:
     """One row per configuration: median step (ms) and quartiles, compile seconds, and whether the compiled
     tokens equal the eager ones. A configuration that fails is left out of the table, its error printed (the
     others still run: a GPU machine's minutes are few)."""
-    runs = configurations(model, ids, specs, ratio, new, config)
+    runs = configurations(model, ids, specs, ratio, new, config, tokenizer)
     steps = {name: [] for name in runs}
     seconds = {name: [] for name in runs}
     tokens, failed = {}, set()
@@ -150,6 +154,8 @@ def main(argv=None):
     placement_args(parser)
     parser.add_argument("--presses", default="streamingllm,h2o,snapkv,chunkkv",
                         help="comma-separated, with options as in `sparsekv bench` (default: %(default)s)")
+    parser.add_argument("--tokenizer", help="tokenizer for presses that read text (SentenceKV): an alias, .gguf "
+                        "file or folder (default: --model's; with --shape, give one of its vocabulary's size)")
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--batch", type=csv(int), default=[1], help="rows decoded together, comma-separated "
                                                                    "(default: 1)")
@@ -182,8 +188,10 @@ def main(argv=None):
     torch._dynamo.config.automatic_dynamic_shapes = False
     if args.shape:
         model, name = random_model(args.shape, device, dtype, args.attn_implementation), f"{args.shape} (random)"
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     else:
-        model, name = load_model(args.model, dtype, args.attn_implementation, device_map=device)[0], args.model
+        model, tokenizer = load_model(args.model, dtype, args.attn_implementation, device_map=device)
+        name, tokenizer = args.model, load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer
     # Each configuration adds its own graphs to the one compiled forward (generate compiles `model.__call__`, and
     # dynamo keeps a graph per cache layout), more than dynamo's default limit of 8 per frame.
     torch._dynamo.config.recompile_limit = 64
@@ -195,7 +203,7 @@ def main(argv=None):
     rows = []
     for batch in batches:
         rows += measure(model, prompt.expand(batch, -1).to(model.device), split_specs(args.presses), args.ratio,
-                        args.new, args.warmup, args.repeats, config)
+                        args.new, args.warmup, args.repeats, config, tokenizer)
     env = environment(model.device)
     print(f"{name}, {env['device_name']}, {str(dtype).removeprefix('torch.')}, {args.attn_implementation}, "
           f"{args.length}-token prompt, ratio {args.ratio}, compiled by {args.backend} ({config.mode or 'default'}); "

@@ -94,6 +94,11 @@ def syncs_per_step(model, cache, token: torch.Tensor, press=None, steps: int = 4
     return per_step, sites
 
 
+def loaded_tokens(cache) -> int:
+    """Tokens a press copied into its working sets so far, every layer's and row's (`stats().counts`)."""
+    return cache.stats().counts.get("loaded_tokens", 0)
+
+
 def kv_bytes_per_token(cache) -> int:
     """Bytes of one token's key and value in one KV head (what a press's `loaded_tokens` counts: one per layer,
     row and head)."""
@@ -128,7 +133,7 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
         for spec, (press, cache, token) in prefilled.items():
             cache = copy.deepcopy(cache)
             oracle, oracle_token = copy.deepcopy(references["oracle"][0]), references["oracle"][1]
-            loaded = cache.counts["loaded_tokens"]
+            loaded = loaded_tokens(cache)
             for _ in range(steps):
                 with press(model):
                     seconds, token = step_seconds(model, cache, token)
@@ -136,7 +141,7 @@ def measure(model, tokenizer, ids, specs, ratio, steps, repeats, full: bool = Tr
                 times[spec].append(1000 * seconds)
                 times["oracle"].append(1000 * reference)
                 pairs[spec].append(seconds / reference)
-            moved[spec].append((cache.counts["loaded_tokens"] - loaded) * kv_bytes_per_token(cache) / steps)
+            moved[spec].append((loaded_tokens(cache) - loaded) * kv_bytes_per_token(cache) / steps)
         if full:
             cache, token = copy.deepcopy(references["full"][0]), references["full"][1]
             for _ in range(steps):

@@ -90,7 +90,10 @@ def step_state(t: torch.Tensor) -> None:
     step that mutates an input at another address is skipped), and its sizes stay constants in the graph: under
     dynamo's automatic dynamic shapes, a generation of other sizes (another prompt length or budget) would trace
     them as symbols, including those of views of `t`, for which inductor fails to build guards (torch 2.13). So
-    each set of sizes gets its graph: one per budget and batch size."""
+    each set of sizes gets its graph: one per budget and batch size. (Nothing while compiling: a compiled
+    forward of several tokens, a draft's, makes room for the steps after it over tensors dynamo traces.)"""
+    if torch.compiler.is_compiling():
+        return
     torch._dynamo.mark_static_address(t)
     for dim in range(t.dim()):
         torch._dynamo.mark_static(t, dim)
@@ -119,9 +122,8 @@ class StepViews:
         self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
-        if not torch.compiler.is_compiling():  # a compiled step writes into the buffers in place (its only
-            for t in self.grown.values():  # inputs of them, `slot_n`)
-                step_state(t)
+        for t in self.grown.values():  # a compiled step writes into the buffers in place (its only inputs of
+            step_state(t)  # them, `slot_n`)
 
     def _are(self, views: dict, layer) -> bool:
         return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is

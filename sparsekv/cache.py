@@ -28,8 +28,6 @@ Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batc
 
 from __future__ import annotations
 
-import copy
-import io
 import time
 from collections import defaultdict
 from typing import Any
@@ -41,6 +39,7 @@ from .architectures import COMPRESSED_LAYER_TYPES, rotary
 from .attention import AttentionCall, query_groups
 from .buffers import step_state
 from .context import Context, hold_budget
+from .copies import CacheCopies, _load_cache  # noqa: F401 (pickles made before name it here)
 from .forward import Forward, check_inputs
 from .join import join_caches
 from .layers import KVLayer
@@ -53,7 +52,7 @@ from .stats import CacheStats, cache_stats, prompt_kept
 KEEP_MASK = object()
 
 
-class SparseCache(RowState, Cache):
+class SparseCache(CacheCopies, RowState, Cache):
     """A transformers `Cache` whose full-attention layers are the press's `KVLayer`s; the driver of a forward.
 
     Attributes:
@@ -127,31 +126,6 @@ class SparseCache(RowState, Cache):
             cached = self._copies[("largest_budget", None)] = (self.budgets, int(self.budgets.max()))
         return cached[1]
 
-    def __deepcopy__(self, memo):
-        """A copy (e.g. to answer several questions from one compressed context) shares the press: it is
-        configuration, never state."""
-        memo[id(self.press)] = self.press
-        memo[id(self.config)] = self.config
-        clone = memo[id(self)] = object.__new__(type(self))
-        for name, value in self.__dict__.items():
-            setattr(clone, name, copy.deepcopy(value, memo))
-        return clone
-
-    def __copy__(self):
-        """A shallow copy, as for any object (pickling goes through `torch.save`, below)."""
-        clone = object.__new__(type(self))
-        clone.__dict__.update(self.__dict__)
-        return clone
-
-    def __reduce_ex__(self, protocol):
-        """Pickled through `torch.save`, which keeps tensors that share memory sharing it: a layer's tensors are
-        views of buffers with room behind them, and an evicting layer's step writes through views of its own
-        buffers (`sparsekv.buffers`). Plain pickle saves each view as a copy of its own, so a loaded cache's writes
-        would miss the tensors attention reads, and it would continue with other tokens than the original."""
-        data = io.BytesIO()
-        torch.save(self.__dict__, data)
-        return _load_cache, (type(self), data.getvalue())
-
     @classmethod
     def join(cls, caches: list[SparseCache], consume: bool = False) -> SparseCache:
         """The rows of `caches` in one cache, in order, as if prefilled together (`sparsekv.join.join_caches`)."""
@@ -216,10 +190,7 @@ class SparseCache(RowState, Cache):
         call = AttentionCall(module, hidden, position_embeddings, forward.input_valid)
         call.capture = self.press.captures_step_queries and not forward.first  # after the prompt
         ctx = forward.contexts[module.layer_idx] = Context(self, layer, call)
-        chosen = self.press.choose(ctx) if self.press.selects_before_attention else None
-        if chosen is not None:  # what the layer reads of its store; a compiled step's keeps its shapes
-            compiled_step = self.compiled and forward.q_len == 1 and not forward.first
-            layer.gather_in_place(*chosen[:2]) if compiled_step else layer.gather(*chosen)
+        self._gather_chosen(ctx, in_place=self.compiled and forward.q_len == 1 and not forward.first)
         if not layer.compressed and not forward.own_masks:
             return KEEP_MASK
         # (the config is read only when needed: its attribute reads are slow, and this runs at every layer and step)
@@ -318,9 +289,7 @@ class SparseCache(RowState, Cache):
             for name in ("prompt_start", "budgets"):
                 if getattr(self, name) is not None:  # (a press that keeps every token may set no budgets)
                     self.on(name, layer.device)
-            chosen = self.press.choose(Context(self, layer)) if self.press.selects_before_attention else None
-            if chosen is not None:  # what the first step reads of the store, which the step's slot joins
-                layer.gather(*chosen)
+            self._gather_chosen(Context(self, layer), in_place=False)  # the first step's, which its slot joins
             if holds:  # room up to the largest budget: the row's, or the layer's own head-wise one
                 layer.make_step_room((layer.largest_budget or self.largest_budget) - layer.slots)
             else:
@@ -328,6 +297,17 @@ class SparseCache(RowState, Cache):
         layers = self.compressed_layers()
         self.one_layout = all(layer.device == layers[0].device and layer.slots == layers[0].slots
                               and torch.equal(layer.valid, layers[0].valid) for layer in layers)
+
+    def _gather_chosen(self, ctx: Context, in_place: bool) -> None:
+        """The store slots the press's `choose` says `ctx.layer` reads, gathered into its working set (`in_place`:
+        into its own tensors, a compiled step's, which keep their shapes); nothing when it says None."""
+        chosen = self.press.choose(ctx) if self.press.selects_before_attention else None
+        if chosen is None:
+            return
+        if in_place:
+            ctx.layer.gather_in_place(*chosen[:2])
+        else:
+            ctx.layer.gather(*chosen)
 
     def _open_forward(self, layer_idx: int) -> Forward:
         forward = self.forward
@@ -392,10 +372,3 @@ def clock() -> float | None:
     """Now, to time press work (`SparseCache.seconds`); None inside a compiled forward, whose press work is not
     timed: the clock is not traced (a graph break at every layer), and a compiled graph runs as one piece."""
     return None if torch.compiler.is_compiling() else time.perf_counter()
-
-
-def _load_cache(cls: type, data: bytes) -> SparseCache:
-    """A cache pickled by `SparseCache.__reduce_ex__` (what pickle and `torch.load` call to load one)."""
-    cache = object.__new__(cls)
-    cache.__dict__.update(torch.load(io.BytesIO(data), weights_only=False))
-    return cache

@@ -257,6 +257,11 @@ class KVLayer(RowState, CacheLayerMixin):
         """Free (filler) slots of the row that has fewest (a host read)."""
         return self.slots - int(self.valid.sum(-1).max()) if self.slots else 0
 
+    def free_mask(self) -> torch.Tensor:
+        """`(batch, heads, slots)` the slots a step's token may take, between steps (`keep_step_token`): the
+        fillers."""
+        return ~self._views.held_view("valid")
+
     def keep_step_token(self, slot: torch.Tensor | None = None) -> torch.Tensor | None:
         """A decoding step's token that the press did not make room for by an eviction (it keeps every token while
         decoding) moves from the step's slot into its head's first free slot, `(batch, heads)`: the layer keeps
@@ -267,7 +272,7 @@ class KVLayer(RowState, CacheLayerMixin):
         if views is None or not views.grown_by(self):
             return None
         if slot is None:
-            free = ~views.held_view("valid")
+            free = self.free_mask()
             torch._assert_async(free.any(-1).all(), "sparsekv: a compiled cache has no free slot left for this "
                                 "step's token: make it with max_new_tokens at least generate's (`make_cache(model, "
                                 "compiled=True, max_new_tokens=...)`).")

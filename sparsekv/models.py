@@ -242,16 +242,9 @@ def check_hub(name: str, timeout: float = 5.0) -> None:
             "reachable.") from None
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-               device_map=None):
-    """Load ``(model, tokenizer)`` in eval mode.
-
-    ``name`` is an alias from :data:`MODELS` (fetched with :func:`fetch_model`), a local
-    ``.gguf`` file, a local model directory, or else a Hub id containing ``/``. A tokenizer
-    without a pad token gets ``pad_token = eos_token``; padding is on the left.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _source(name: str) -> tuple[object, dict]:
+    """Where `from_pretrained` reads model `name` (an alias, a .gguf file, a folder or a Hub id), and its extra
+    arguments (a GGUF file's name)."""
     path = pathlib.Path(name).expanduser()
     if name in MODELS:
         gguf = fetch_model(name)
@@ -269,11 +262,35 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementatio
     if extra:
         require("gguf", "gguf", "to load GGUF models")
         require("accelerate", "gguf", "to load GGUF models")  # transformers loads GGUF files through it
+    return source, extra
+
+
+def load_tokenizer(name: str):
+    """Load model `name`'s tokenizer alone (`name` as `load_model` takes it): a pad token (the end-of-sequence
+    one when it has none), padding on the left."""
+    from transformers import AutoTokenizer
+
+    source, extra = _source(name)
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
-                                                 device_map=device_map, **extra)
-    model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # decoder-only generation pads on the left
+    return tokenizer
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+               device_map=None):
+    """Load ``(model, tokenizer)`` in eval mode.
+
+    ``name`` is an alias from :data:`MODELS` (fetched with :func:`fetch_model`), a local
+    ``.gguf`` file, a local model directory, or else a Hub id containing ``/``. A tokenizer
+    without a pad token gets ``pad_token = eos_token``; padding is on the left.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(name)
+    source, extra = _source(name)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
+                                                 device_map=device_map, **extra)
+    model.eval()
     return model, tokenizer

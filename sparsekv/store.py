@@ -23,8 +23,10 @@ class StoreLayer(KVLayer):
         records_tokens: every token seen is written to the store at its position (slot = position, the store
             grows), and attention reads the store itself until a working set is selected (`gather`). False: the
             store is filled once (`fill_store`) and new tokens go to the working set only.
-        loaded: the working set's first slots, which the press loads with store tokens (`load`; SentenceKV's
-            loaded region, its fillers last); 0: none.
+        region: `(batch, n)` the loaded region, the working set's first `n` slots, which the press loads with
+            store tokens (SentenceKV's): True where a slot holds one, False for a filler (a row that fills fewer,
+            its fillers last). None: no loaded region. Its width, `loaded`, is a shape: a constant to a compiled
+            step, where an int attribute would be traced as a symbol once it differs between generations.
     """
 
     @classmethod
@@ -63,15 +65,20 @@ class StoreLayer(KVLayer):
         return self.loaded
 
     def fillers_added(self, count: int) -> None:
-        if self.loaded:  # they went in at the loaded region's end: it holds them now
-            self.loaded += count
+        if self.region is not None:  # they went in at the loaded region's end: it holds them now
+            self.region = padded(self.region, 1, self.loaded + count, False)
+
+    @property
+    def loaded(self) -> int:
+        """Slots of the loaded region (`region`); 0: none."""
+        return 0 if self.region is None else self.region.shape[1]
 
     def __init__(self, store_device: str | torch.device | None = None, records_tokens: bool = False):
         super().__init__()
         self.store_device = None if store_device is None else torch.device(store_device)
         self.records_tokens = records_tokens
         self.store_keys = self.store_values = self.store_positions = None
-        self.loaded = 0
+        self.region: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, valid: torch.Tensor | None = None,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,19 +138,28 @@ class StoreLayer(KVLayer):
 
     def make_step_room(self, free: int = 0) -> None:
         """A store that records every token grows by `free` slots (room for the tokens a compiled cache's steps
-        add, at their positions), its working set by the step's slot (`KVLayer.make_step_room`)."""
+        add, at their positions), its working set by the step's slot (`KVLayer.make_step_room`). The store's
+        tensors and the loaded region are a compiled step's state (`step_state`), of sizes constant to it."""
         if self.records_tokens:
             if free > 0:
                 self._reserve(self.store_keys.shape[2] + free, self.store_keys, self.store_values, self.logical_len)
-            for t in (self.store_keys, self.store_values):  # written in place by every step
-                step_state(t)
             free = 0
+        for t in (self.store_keys, self.store_values, self.store_positions, self.region):
+            if t is not None:
+                step_state(t)
         super().make_step_room(free)
 
     def free_slots(self) -> int:
         if self.records_tokens:  # the store's room for the tokens to come
             return self.store_keys.shape[2] - self.logical_len
+        if self.loaded:  # the loaded region's fillers are not free: loads write them
+            return self.slots - self.loaded - int(self.valid[..., self.loaded:].sum(-1).max())
         return super().free_slots()
+
+    def free_mask(self) -> torch.Tensor:
+        if self.loaded:
+            return super().free_mask().index_fill(-1, torch.arange(self.loaded, device=self.device), False)
+        return super().free_mask()
 
     def keep_step_token(self, slot: torch.Tensor | None = None) -> torch.Tensor | None:
         if not self.records_tokens:
@@ -188,16 +204,18 @@ class StoreLayer(KVLayer):
         end = self.logical_len
         return torch.arange(end - q, end, device=self.store_keys.device).expand(self.store_keys.shape[0], q)
 
-    def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, loaded: int = 0) -> None:
-        """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store, and the
-        working set's first `loaded` slots the region the press loads store tokens into (`load`)."""
+    def fill_store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                   region: torch.Tensor | None = None) -> None:
+        """Make `keys` / `values` `(batch, kv_heads, R, head_dim)` at `positions` `(batch, R)` the store, and
+        `region` `(batch, n)` (`region`) the working set's first `n` slots, which the press loads store tokens
+        into (`load`)."""
         device = self.store_device or keys.device
         if device.type == "cpu" and keys.is_cuda:  # pinned, so that loads copy back asynchronously
             # Straight into pinned memory: one copy from the GPU, where `.to("cpu").pin_memory()` makes two.
             keys, values = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in (keys, values))
         self.store_keys, self.store_values = keys.to(device), values.to(device)
         self.store_positions = positions
-        self.loaded = loaded
+        self.region = region
 
     def gather(self, slots: torch.Tensor | None, valid: torch.Tensor, all_valid: bool | None = None) -> None:
         """Make the working set the store slots `slots` `(batch, n)` (the same for every KV head); `valid` `(batch,
@@ -218,6 +236,23 @@ class StoreLayer(KVLayer):
         self.all_valid = bool(valid.all()) if all_valid is None else all_valid
         self.heads_agree = True
         self.compressed = True
+
+    def load_region(self, slots: torch.Tensor) -> None:
+        """Write the store slots `slots` `(batch, kv_heads, >= loaded)`, the first `loaded` of them, into the
+        loaded region, in place, every one anew: a compiled cache's step, whose shapes stay fixed and which reads
+        nothing on the host, so it cannot find which slots changed (`_load` copies only those). (Eagerly, a layer
+        whose tensors were replaced, by a reordered batch, first makes its step room again.)"""
+        if self._views is None or not self._views.held_by(self):
+            self.make_step_room()
+        n, views = self.loaded, self._views
+        slots = slots[..., :n]
+        index = slots.to(self.store_keys.device)[..., None]
+        for name, store in (("keys", self.store_keys), ("values", self.store_values)):
+            rows = store.gather(2, index.expand(*index.shape[:3], store.shape[-1]))
+            views.held_view(name).narrow(2, 0, n).copy_(rows)
+        b, h = slots.shape[:2]
+        positions = self.store_positions.gather(1, slots.flatten(1)).view(b, h, n)
+        views.held_view("positions").narrow(2, 0, n).copy_(positions)
 
     def _load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
               rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import logging
 import re
+from typing import ClassVar
 
 import conftest
 import pytest
@@ -32,8 +33,8 @@ def test_a_decoding_step_traces_without_a_graph_break(press):
     token appended to a compressed prompt), without a graph break: the driver takes no clock while compiling,
     makes nothing dynamo cannot construct, and a layer appends by concatenation (the room behind a tensor is read
     from its storage, which dynamo cannot follow). The step gives the eager step's logits and leaves the same
-    cache. (CHESS's step reads its trigger on the host, and compiles on a cache made for it, below; SentenceKV
-    breaks at its loads' `nonzero`.)"""
+    cache. (CHESS's step reads its trigger on the host, and SentenceKV's finds the tokens entering its selection
+    there: both compile on a cache made for it, below.)"""
     model = make_model("llama")
     with press(model):
         cache = model(prompt(64)).cache
@@ -109,14 +110,25 @@ def left_padded(length: int = 64, pad: int = 5) -> tuple[torch.Tensor, torch.Ten
 # the paper's pages under a budget, selected every other step (a count on the device).
 CHESS = [CHESSPress(ratio=0.25, page_size=4, chunk_pages=2, grid_chunks=2, reselect="always"),
          CHESSPress(read_budget=32, paper=True, page_size=4, chunk_pages=2, grid_chunks=2, reselect_every=2)]
+# SentenceKV ranking every layer when a step begins (its default) and each layer at its query (the paper's order).
+SENTENCE = [SentencePress(make_tokenizer(), ratio=0.25, n_sinks=4, window_size=4),
+            SentencePress(make_tokenizer(), ratio=0.25, n_sinks=4, window_size=4, rank_at="layer")]
 COMPILED = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, recent_ratio=0.25, window_size=1),
             SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4), *CHESS,
             KnormPress(ratio=0.25, min_budget=8), KeyDiffPress(ratio=0.25, min_budget=8),
-            TOVAPress(ratio=0.25, min_budget=8)]
+            TOVAPress(ratio=0.25, min_budget=8), *SENTENCE]
+
+
+@dataclasses.dataclass(kw_only=True)
+class EagerPress(SnapKVPress):
+    """A press whose decoding steps do not compile (every built-in press's do): a user's, say."""
+
+    compiled_decoding: ClassVar[bool] = False
 
 
 def label(press) -> str:
-    return press.label() + ("-paper" if getattr(press, "paper", False) else "")
+    return press.label() + ("-paper" if getattr(press, "paper", False) else "") + (
+        "-layer" if getattr(press, "rank_at", None) == "layer" else "")
 
 
 def compiled_cache(model, press, new: int = 8):
@@ -186,6 +198,27 @@ def test_a_compiled_chess_generation_counts_its_selections_as_an_eager_one(press
     assert eager.stats().counts["selections"] == compiled.stats().counts["selections"] == expected
 
 
+@pytest.mark.parametrize("press", SENTENCE, ids=label)
+@torch.no_grad()
+def test_a_compiled_sentencekv_generation_counts_its_loads_as_an_eager_one(press):
+    """SentenceKV counts its rankings per row on the device, eagerly and compiled: a compiled generation's
+    `stats()` has as many selections, loads and loaded tokens as the eager one's (a compiled step writes its
+    whole loaded region, but counts the tokens entering the selection, as an eager step copies them)."""
+    model, (ids, mask) = make_model("llama"), left_padded()
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            eager, compiled = press.make_cache(model), compiled_cache(model, press)
+            greedy(model, ids, mask, new=8, cache=eager)
+            greedy(model, ids, mask, new=8, cache=compiled, compile_config=counting_config())
+    finally:
+        torch._dynamo.reset()
+    counts = [{kind: cache.stats().counts[kind] for kind in ("selections", "loads", "loaded_tokens")}
+              for cache in (eager, compiled)]
+    assert counts[0] == counts[1] and counts[0]["selections"] == 7 * 2 * len(eager.compressed_layers())
+    assert counts[0]["loaded_tokens"] > 0
+
+
 @pytest.mark.parametrize("press", [StreamingLLMPress(budget=68, window_size=1),
                                    StreamingLLMPress(ratio=1.0, window_size=1), H2OPress(budget=68, window_size=1),
                                    SnapKVPress(budget=80, window_size=8)], ids=["StreamingLLM", "StreamingLLM-1.0",
@@ -215,7 +248,7 @@ def test_a_prompt_kept_whole_compiles_once(press):
 
 
 @pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), CHESS[0]], ids=label)
+@pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), CHESS[0], SENTENCE[0]], ids=label)
 @torch.no_grad()
 def test_a_compiled_cache_without_room_fails_loudly(press, compile_):
     """A compiled cache under a press that keeps every generated token has room for `max_new_tokens` (free slots,
@@ -325,8 +358,8 @@ def test_a_cache_that_cannot_compile_is_refused_at_the_door():
     compress (which keep transformers' growing cache), is refused when the cache is made, naming what to do."""
     with pytest.raises(ValueError, match="max_new_tokens: CHESSPress keeps every generated token"):
         CHESSPress(ratio=0.25).make_cache(make_model("llama"), compiled=True)
-    with pytest.raises(ValueError, match="SentencePress's decoding steps do not compile yet"):
-        SentencePress(make_tokenizer(), ratio=0.25).make_cache(make_model("llama"), compiled=True, max_new_tokens=8)
+    with pytest.raises(ValueError, match="EagerPress's decoding steps do not compile yet"):
+        EagerPress(ratio=0.25).make_cache(make_model("llama"), compiled=True, max_new_tokens=8)
     with pytest.raises(ValueError, match="max_new_tokens: SnapKVPress keeps every generated token.*max_new_tokens="):
         SnapKVPress(ratio=0.25).make_cache(make_model("llama"), compiled=True)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
@@ -347,8 +380,8 @@ def test_the_presses_named_as_compiling_are_those_that_declare_it():
     named = set(re.findall(r"(\w+)'s", COMPILING))
     assert named == {cls.label() for cls in BUILT_IN.values() if cls.compiled_decoding}
 
-@pytest.mark.parametrize("press", [SentencePress(make_tokenizer(), budget=16, n_sinks=4, window_size=4),
-                                   SnapKVPress(budget=16, window_size=4)], ids=["SentenceKV", "SnapKV"])
+@pytest.mark.parametrize("press", [EagerPress(budget=16, window_size=4), SnapKVPress(budget=16, window_size=4)],
+                         ids=["uncompiled", "SnapKV"])
 @torch.no_grad()
 def test_a_compile_config_that_cannot_be_served_is_said_once(press, caplog):
     """generate given a `compile_config` over a cache it cannot compile (a press whose steps do not compile, or
@@ -364,7 +397,7 @@ def test_a_compile_config_that_cannot_be_served_is_said_once(press, caplog):
                 assert torch.equal(greedy(model, ids, None, new=4, compile_config=config), eager)
     said = [r.getMessage() for r in caplog.records if r.name == "sparsekv" and "decodes eagerly" in r.getMessage()]
     assert len(said) == 1, said
-    assert ("do not compile yet" if isinstance(press, SentencePress) else "SnapKVPress(..., compile=True)") in said[0]
+    assert ("do not compile yet" if isinstance(press, EagerPress) else "SnapKVPress(..., compile=True)") in said[0]
 
 
 @pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25, window_size=1),
@@ -397,8 +430,8 @@ def test_the_compile_option_compiles_generate_called_as_without_it(press):
 def test_the_compile_option_is_refused_where_steps_cannot_compile():
     """`compile=True` under a press whose steps do not compile is refused when the press is made; on a model with
     layers the press does not compress, when the block begins."""
-    with pytest.raises(ValueError, match="SentencePress: compile=True, but SentencePress's decoding steps do not"):
-        SentencePress(make_tokenizer(), ratio=0.25, compile=True)
+    with pytest.raises(ValueError, match="EagerPress: compile=True, but EagerPress's decoding steps do not"):
+        EagerPress(ratio=0.25, compile=True)
     model = make_model("gemma3")
     with pytest.raises(ValueError, match="mixes in layers StreamingLLMPress does not compress"):
         with StreamingLLMPress(ratio=0.25, window_size=1, compile=True)(model):
@@ -436,7 +469,7 @@ def test_first_true_finds_the_first_free_slot():
 
 @pytest.mark.parametrize("mode", ["beam", "prompt-lookup", "sample"])
 @pytest.mark.parametrize("press", [SnapKVPress(ratio=0.25, window_size=8), H2OPress(ratio=0.25, window_size=1),
-                                   CHESS[0]], ids=label)
+                                   CHESS[0], SENTENCE[0]], ids=label)
 @torch.no_grad()
 def test_other_generate_modes_on_a_compiled_cache(press, mode):
     """A compiled cache under beam search (generate decodes it eagerly, reordering its rows), prompt lookup (it

@@ -71,6 +71,8 @@ def test_closing_tokens():
     closing = closes_sentence(tok, torch.tensor(list(ids.values()))).tolist()
     assert dict(zip(ids, closing)) == {".": True, ".Ċ": True, '?"': True, '."Ċ': True, "Ċ": True, "Ġend": False,
                                        "3": False, "(x": False}
+    # An id past the tokenizer's (a model's vocabulary padded beyond it) ends no sentence.
+    assert closes_sentence(tok, torch.tensor([len(tok), len(tok) + 100])).tolist() == [False, False]
 
 
 def test_token_texts_decodes_each_token_alone_in_order():

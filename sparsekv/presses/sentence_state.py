@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -24,12 +24,25 @@ class SentenceState(RowState):
         step_ids: `(batch, q)` the last forward's tokens, for `crop`.
         stacks: the compressed layers' ranking state, one `LayerStack` per device (one, unless a `device_map`
             spreads the layers over several).
+        closes: `(vocab + 1,)` whether each token id ends a sentence (`sentence_segment.closing_table`), on the
+            model's device: a step looks its token up there, reading nothing on the host. Shared by the rows.
     """
 
     sentences: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
     step_ids: torch.Tensor | None = None
     stacks: list[LayerStack] = field(default_factory=list)
+    closes: torch.Tensor | None = None
+
+    shared_state: ClassVar[frozenset[str]] = frozenset({"closes"})
+
+    def closing(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Whether each token `(...)` ends a sentence, looked up on the device."""
+        return self.closes[token_ids.clamp(max=self.closes.shape[0] - 1)]
+
+    def event_counts(self) -> dict[str, int]:
+        totals = [stack.counts.sum(0).tolist() for stack in self.stacks if stack.counts is not None]
+        return {kind: sum(t[i] for t in totals) for i, kind in enumerate(LayerStack.COUNTED)} if totals else {}
 
     def find(self, layer_idx: int) -> tuple[LayerStack, int] | None:
         """The stack holding layer `layer_idx`'s ranking state and its rank there; None for a layer not compressed."""
@@ -47,6 +60,19 @@ class SentenceState(RowState):
             stack = LayerStack()
             self.stacks.append(stack)
         return stack, stack.add(layer_idx, parts)
+
+
+class LayerRanking(NamedTuple):
+    """One layer's slice of a `LayerStack` (`LayerStack.at`): its `STACKED` tensors without the layer dimension (a
+    named tuple, which a compiled step constructs)."""
+
+    query_sum: torch.Tensor
+    sentence_keys: torch.Tensor
+    sentence_sizes: torch.Tensor
+    slot_sentence: torch.Tensor
+    slot_room: torch.Tensor
+    resident: torch.Tensor
+    device_slot: torch.Tensor
 
 
 @dataclass
@@ -74,6 +100,7 @@ class LayerStack(RowState):
         device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot.
         step_queries: the last forward's queries, per rank `(batch, kv_heads, q, head_dim)` (kept for `crop`).
         before_reset: `query_sum` before a sentence end zeroed it, for `crop`.
+        counts: `(batch, 3)` each row's ranking events (`COUNTED`), counted on the device (`sentence_step.count`).
     """
 
     ranks: dict[int, int] = field(default_factory=dict)
@@ -87,9 +114,10 @@ class LayerStack(RowState):
     device_slot: torch.Tensor | None = None
     step_queries: list = field(default_factory=list)
     before_reset: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
 
-    STACKED: ClassVar[tuple[str, ...]] = ("query_sum", "sentence_keys", "sentence_sizes", "slot_sentence",
-                                          "slot_room", "resident", "device_slot")
+    COUNTED: ClassVar[tuple[str, ...]] = ("selections", "loads", "loaded_tokens")
+    STACKED: ClassVar[tuple[str, ...]] = LayerRanking._fields
 
     def add(self, layer_idx: int, parts: dict[str, torch.Tensor]) -> int:
         """Stack one layer's `parts` after the others (its sentences, or theirs, padded to the most); its rank.
@@ -105,11 +133,14 @@ class LayerStack(RowState):
             mine = getattr(self, name)
             setattr(self, name, parts[name] if mine is None else torch.cat([mine, parts[name]], dim=1))
         self.step_queries = [None] * len(self.ranks)
+        if self.counts is None:
+            self.counts = torch.zeros(self.query_sum.shape[0], len(self.COUNTED), dtype=torch.long,
+                                      device=self.query_sum.device)
         return rank
 
-    def at(self, rank: int) -> SimpleNamespace:
+    def at(self, rank: int) -> LayerRanking:
         """One layer's ranking state: views of its slice of each stacked tensor (writes go to the stack)."""
-        return SimpleNamespace(**{name: getattr(self, name)[:, rank] for name in self.STACKED})
+        return LayerRanking(*(getattr(self, name)[:, rank] for name in self.STACKED))
 
     @classmethod
     def joined(cls, stacks: list[LayerStack]) -> LayerStack:
@@ -141,7 +172,8 @@ def end_sentence(stack: LayerStack, closing: torch.Tensor | None) -> None:
     """Rows `closing` `(batch,)` ended a sentence: their mean query starts anew, and the sums before are kept for
     `crop`. None: no row did."""
     if closing is not None:
-        stack.before_reset = stack.query_sum.clone()  # for `crop`, at sentence ends only
+        # (at every step, whether a row closed or not: which did is on the device, and the sums are small)
+        stack.before_reset = stack.query_sum.clone()
         stack.query_sum.masked_fill_(as_rows(closing, stack.query_sum), 0.0)  # a new sentence starts
 
 

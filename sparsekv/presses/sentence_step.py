@@ -12,16 +12,22 @@ from .sentence_state import LayerStack
 
 
 def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bool | None = None,
-         first: bool = False) -> int:
+         first: bool = False, in_place: bool = False) -> None:
     """Make the store slots `chosen` `(b, h, R)` the loaded ones of the layer at `rank` in `stack`, copying only
-    those not resident yet (one gather from the store and one write per tensor, every head at once). `first`: at
-    compress, the loaded region is free and the chosen slots fill it from the front. Returns the tokens copied.
+    those not resident yet (one gather from the store and one write per tensor, every head at once); `in_place`
+    (a compiled cache's), the whole loaded region (`load_region`). `first`: at compress, the loaded region is
+    free and the chosen slots fill it from the front (uncounted).
 
     Each entering token takes the device slot of one that leaves: every head holds `fill` chosen slots, so
     per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
     not care about slot order (keys carry their RoPE), so the loaded region needs none.
     """
     resident, device_slot = stack.resident[:, rank], stack.device_slot[:, rank]  # views: written in place
+    if not first:
+        count(stack, chosen[:, None], resident[:, None])
+    if in_place and not first:
+        load_region([layer], chosen[:, None], resident[:, None], device_slot[:, None])
+        return
     if one_read is None:  # on a CPU a host read costs an op; on a GPU each waits for the device to drain
         one_read = chosen.device.type != "cpu"
     if first:
@@ -40,10 +46,9 @@ def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bo
         target = device_slot[tuple(leaving)]  # the slots of those that leave
     resident.copy_(chosen)
     if slot.numel() == 0:  # the selection did not change: everything is resident already
-        return 0
+        return
     load_layers([layer], None, row, head, slot, target)
     device_slot[row, head, slot] = target
-    return slot.numel()
 
 
 def rank_step(press, cache: SparseCache) -> None:
@@ -54,27 +59,53 @@ def rank_step(press, cache: SparseCache) -> None:
         # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
         empty = (stack.query_sum == 0).flatten(1).all(1)
         chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
-        copied = load_all(cache, stack, chosen)
-        cache.counts["loaded_tokens"] += copied
-        cache.counts["loads"] += copied > 0
-        cache.counts["selections"] += len(stack.ranks)
+        count(stack, chosen, stack.resident)
+        layers = [cache.layers[i] for i in stack.ranks]  # in rank order
+        if cache.compiled:
+            load_region(layers, chosen, stack.resident, stack.device_slot)
+        else:
+            load_all(layers, stack, chosen)
 
 
-def load_all(cache: SparseCache, stack: LayerStack, chosen: torch.Tensor) -> int:
-    """`load` for every layer at once: the slots entering and leaving each layer's selection found by one
-    `nonzero` over the stack (one read on the host; layers first, so each layer's are consecutive), then each
-    layer whose selection changed loads its own. Returns the tokens copied."""
+def load_all(layers: list, stack: LayerStack, chosen: torch.Tensor) -> None:
+    """`load` for every layer of `stack` (`layers`, in rank order) at once: the slots entering and leaving each
+    layer's selection found by one `nonzero` over the stack (one read on the host; layers first, so each layer's
+    are consecutive), then each layer whose selection changed loads its own."""
     resident, stack.resident = stack.resident, chosen
     pairs = torch.stack([chosen > resident, resident > chosen]).transpose(1, 2).nonzero()
     n = pairs.shape[0] // 2  # as many leave as enter, per layer, row and head: they pair up in order
     if n == 0:
-        return 0
+        return
     _, lay, row, head, slot = pairs[:n].unbind(-1)
     _, lay_out, row_out, head_out, slot_out = pairs[n:].unbind(-1)
     target = stack.device_slot[row_out, lay_out, head_out, slot_out]  # the slots of those that leave
     stack.device_slot[row, lay, head, slot] = target
-    load_layers([cache.layers[i] for i in stack.ranks], lay, row, head, slot, target)  # in rank order
-    return n
+    load_layers(layers, lay, row, head, slot, target)
+
+
+def load_region(layers: list, chosen: torch.Tensor, resident: torch.Tensor, device_slot: torch.Tensor) -> None:
+    """`load` on a compiled cache's layers, whose steps keep their shapes and read nothing on the host: each
+    layer's whole loaded region written anew, in place, with the chosen store slots `chosen` `(b, layers, h, R)`
+    in order of position (`StoreLayer.load_region`; a row filling fewer has its fillers written with store slot 0,
+    never attended); `resident` and `device_slot` (of the same shape, views of the stack's) written in place to
+    match (an unchosen slot's device slot is never read). Each chosen slot's place is a count of those before
+    it, not a sort."""
+    place = chosen.cumsum(-1) - 1  # (b, layers, h, R): the region slot of each chosen store slot
+    r = chosen.shape[-1]
+    slots = place.new_zeros(*place.shape[:-1], r + 1).scatter_(  # unchosen slots to a last column, dropped
+        -1, torch.where(chosen, place, r), torch.arange(r, device=place.device).expand_as(place))
+    for layer, layer_slots in zip(layers, slots.unbind(1)):
+        layer.load_region(layer_slots)
+    device_slot.copy_(place)
+    resident.copy_(chosen)
+
+
+def count(stack: LayerStack, chosen: torch.Tensor, resident: torch.Tensor) -> None:
+    """Count a ranking of layers `chosen` `(b, layers, h, R)` (against `resident`) in each row's `stack.counts`,
+    on the device: one selection per layer, one load per layer whose selection changed, and the tokens entering."""
+    entering = (chosen > resident).flatten(2).sum(-1)  # (b, layers)
+    stack.counts.add_(torch.stack([torch.full_like(entering[:, 0], entering.shape[1]), (entering > 0).sum(1),
+                                   entering.sum(1)], dim=1))
 
 
 def loading_room(slot_sentence: torch.Tensor, sizes: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..cache import SparseCache
 from ..context import Context
 from ..options import check_number
 from ..store import StoreLayer
-from .sentence_segment import closes_sentence, sentence_ids
+from .sentence_segment import closing_table, sentence_ids
 from .sentence_state import SentenceState, as_rows, end_sentence
 from .sentence_step import load, loading_room, rank_step
 from .snapkv import SnapKVPress
@@ -35,8 +35,9 @@ class SentencePress(SnapKVPress):
     Decoding (sec. 4.2, Algorithm 1): the queries of the sentence being generated are summed (eq. 2, reset after a
     token that ends a sentence), the query heads of each GQA group together; per KV head the sentences are ranked
     by their score against that query, and the tokens of the best ones are loaded until tau (the last sentence
-    taken cut at its first tokens). Only tokens entering the selection are copied. Attention reads the sinks, the
-    loaded tokens, the recent window and the generated tokens.
+    taken cut at its first tokens). Only tokens entering the selection are copied (compiled, `compile=True`, a
+    step writes its whole loaded region: it cannot find which changed without reading the host). Attention reads
+    the sinks, the loaded tokens, the recent window and the generated tokens.
 
     Where sparsekv departs from the paper, each one option away (`max_sentence_tokens=128,
     sentence_vector="mean", rank_at="layer"` is the paper's eq. 1 and Algorithm 1; their measured effect:
@@ -84,7 +85,7 @@ class SentencePress(SnapKVPress):
     sentence_vector: str = "bounds"
     rank_at: str = "step"
     reads_input_ids: ClassVar[bool] = True
-    compiled_decoding: ClassVar[bool] = False  # a step reads the host (which rows end a sentence, which tokens load)
+    compiled_decoding: ClassVar[bool] = True  # its loads fixed-width on a compiled cache (`sentence_step.load_region`)
     joins_rows: ClassVar[bool] = True  # stores and sentences padded per row (`StoreLayer.joined`, the state's)
     paper_name: ClassVar[str] = "SentenceKV"
 
@@ -140,11 +141,11 @@ class SentencePress(SnapKVPress):
         if state.sentences is None:  # the prompt, or a piece of it: segmented at `compress`, once all is read
             ids = forward.input_ids
             state.prompt_ids = ids if state.prompt_ids is None else torch.cat([state.prompt_ids, ids], 1)
+            if state.closes is None:  # every token id's sentence end, looked up on the device at each step
+                state.closes = closing_table(self.tokenizer).to(ids.device)
         # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
         state.step_ids = forward.input_ids
-        closing = closes_sentence(self.tokenizer, forward.input_ids[:, -1])  # on the host
-        # None: no layer has work to do. Else sent to the device now, while it has little queued to wait for.
-        ctx.plan = closing.to(forward.input_ids.device) if bool(closing.any()) else None
+        ctx.plan = state.closing(forward.input_ids[:, -1])
         for stack in state.stacks:  # this forward's queries, kept for `crop`
             stack.step_queries = [None] * len(stack.ranks)
         if self.rank_at == "step":
@@ -184,10 +185,10 @@ class SentencePress(SnapKVPress):
         # Device slots: the loaded region (filled below, then at each step), then sinks + window. Rows with fewer
         # stored tokens than slots: the same count of real slots on every head, fillers last and never attended.
         loaded = int(taus.max())
-        sentence_keys, sizes, slot_sentence = self._fill_store(layer, store, in_store, state.sentences.to(device),
-                                                               shared, self.sentence_vector, loaded)
         fill = torch.minimum(taus.to(device), in_store.sum(-1))[:, None, None]  # (b, 1, 1) real loaded slots
         real = torch.arange(loaded, device=device) < fill[:, 0]  # (b, loaded)
+        sentence_keys, sizes, slot_sentence = self._fill_store(layer, store, in_store, state.sentences.to(device),
+                                                               shared, self.sentence_vector, real)
         slots = torch.cat([keep.new_zeros(b, loaded), keep], dim=1)[:, None].expand(b, h, -1)
         layer.select(slots, torch.cat([real, real_slot & valid.gather(1, keep)], dim=1))
         query_sum = torch.zeros(b, h, 1, ctx.keys.shape[-1], device=device, dtype=torch.float32)
@@ -221,9 +222,9 @@ class SentencePress(SnapKVPress):
         return rotate(mean.expand(-1, -1, r, -1), at)
 
     @staticmethod
-    def _fill_store(layer, store, in_store, sentences, shared, vector, loaded):
-        """The prefiltered tokens' KV to the offload store (the first `loaded` slots of the working set load from
-        it); returns per sentence the mean of their keys minus `shared` `(b, h, S, d)` (`vector="bounds"`: each
+    def _fill_store(layer, store, in_store, sentences, shared, vector, region):
+        """The prefiltered tokens' KV to the offload store (the working set's loaded region, `region` `(b, n)`,
+        loads from it); returns per sentence the mean of their keys minus `shared` `(b, h, S, d)` (`vector="bounds"`: each
         channel's max, then its min, concatenated: `(b, h, S, 2 d)`), the stored tokens of each sentence `(b, 1, S)`,
         and each store slot's sentence `(b, h, R)`.
 
@@ -252,7 +253,7 @@ class SentencePress(SnapKVPress):
         else:
             sums = weight.new_zeros(b, h, n_sentences, d).scatter_add_(2, slot, centred * weight)
             sentence_keys = sums / counts.clamp(min=1)[:, None, :, None]
-        layer.fill_store(keys, values, store, loaded)
+        layer.fill_store(keys, values, store, region)
         return sentence_keys, counts.long()[:, None], bucket[:, None].expand(b, h, -1)
 
     @staticmethod
@@ -285,11 +286,7 @@ class SentencePress(SnapKVPress):
         stack.step_queries[rank], stack.before_reset = queries, None  # kept for `crop`, no copy
         if self.rank_at == "step":  # ranked and loaded when the step began, with the queries before it
             return
-        copied = load(ctx.layer, stack, rank, self.chosen(stack.at(rank)))  # Algorithm 1, at this layer's query
-        counts = ctx.cache.counts
-        counts["loaded_tokens"] += copied
-        counts["loads"] += copied > 0
-        counts["selections"] += 1
+        load(ctx.layer, stack, rank, self.chosen(stack.at(rank)), in_place=ctx.cache.compiled)  # Algorithm 1
 
     @staticmethod
     def similarity(state) -> torch.Tensor:
@@ -334,7 +331,7 @@ class SentencePress(SnapKVPress):
             total = stack.query_sum if stack.before_reset is None else stack.before_reset
             stack.query_sum = total - queries[..., q - removed:, :].sum(dim=-2, keepdim=True)
             if removed < q:  # the forward's last kept token may end a sentence
-                ends = closes_sentence(self.tokenizer, ids[:, q - removed - 1])
+                ends = cache.state.closing(ids[:, q - removed - 1])
                 stack.query_sum.masked_fill_(as_rows(ends, stack.query_sum), 0.0)
             stack.before_reset = None
             stack.step_queries = [None] * len(stack.ranks)
