@@ -258,8 +258,7 @@ class KVLayer(RowState, CacheLayerMixin):
         return self.slots - int(self.valid.sum(-1).max()) if self.slots else 0
 
     def free_mask(self) -> torch.Tensor:
-        """`(batch, heads, slots)` the slots a step's token may take, between steps (`keep_step_token`): the
-        fillers."""
+        """`(batch, heads, slots)` the slots a step's token may take (`keep_step_token`): the fillers."""
         return ~self._views.held_view("valid")
 
     def keep_step_token(self, slot: torch.Tensor | None = None) -> torch.Tensor | None:

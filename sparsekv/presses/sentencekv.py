@@ -224,9 +224,9 @@ class SentencePress(SnapKVPress):
     @staticmethod
     def _fill_store(layer, store, in_store, sentences, shared, vector, region):
         """The prefiltered tokens' KV to the offload store (the working set's loaded region, `region` `(b, n)`,
-        loads from it); returns per sentence the mean of their keys minus `shared` `(b, h, S, d)` (`vector="bounds"`: each
-        channel's max, then its min, concatenated: `(b, h, S, 2 d)`), the stored tokens of each sentence `(b, 1, S)`,
-        and each store slot's sentence `(b, h, R)`.
+        loads from it); returns per sentence the mean of their keys minus `shared` `(b, h, S, d)`
+        (`vector="bounds"`: each channel's max, then its min, concatenated: `(b, h, S, 2 d)`), the stored tokens of
+        each sentence `(b, 1, S)`, and each store slot's sentence `(b, h, R)`.
 
         Only sentences that kept a token are ranked, renumbered in order: the others could take no budget, and
         on long prompts they are most of them (4 in 5 at 8k tokens, r = 2), so each step's sort and similarity
