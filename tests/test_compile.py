@@ -185,26 +185,14 @@ def test_a_compiled_chess_generation_counts_its_selections_as_an_eager_one(press
     """CHESS counts the selections its rows take in one place, on the device, eagerly and compiled: a compiled
     generation's `stats()` has its steps' selections (every step's under `reselect="always"`, every other step's
     under `reselect_every=2`), as many as the eager generation's."""
-    model, ids = make_model("llama"), prompt(64)
-    torch._dynamo.reset()
-    try:
-        with press(model):
-            eager, compiled = press.make_cache(model), compiled_cache(model, press)
-            greedy(model, ids, None, new=8, cache=eager)
-            greedy(model, ids, None, new=8, cache=compiled, compile_config=counting_config())
-    finally:
-        torch._dynamo.reset()
+    eager, compiled = counted_generations(press, prompt(64), None)
     expected = 1 + (7 if press.reselect == "always" else 3)  # the prompt's, then the 7 steps' triggers
-    assert eager.stats().counts["selections"] == compiled.stats().counts["selections"] == expected
+    assert eager["selections"] == compiled["selections"] == expected
 
 
-@pytest.mark.parametrize("press", SENTENCE, ids=label)
-@torch.no_grad()
-def test_a_compiled_sentencekv_generation_counts_its_loads_as_an_eager_one(press):
-    """SentenceKV counts its rankings per row on the device, eagerly and compiled: a compiled generation's
-    `stats()` has as many selections, loads and loaded tokens as the eager one's (a compiled step writes its
-    whole loaded region, but counts the tokens entering the selection, as an eager step copies them)."""
-    model, (ids, mask) = make_model("llama"), left_padded()
+def counted_generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[dict, dict]:
+    """The press's event counts (`stats().counts`) after a greedy generation of 8 tokens, eager and compiled."""
+    model = make_model("llama")
     torch._dynamo.reset()
     try:
         with press(model):
@@ -213,10 +201,19 @@ def test_a_compiled_sentencekv_generation_counts_its_loads_as_an_eager_one(press
             greedy(model, ids, mask, new=8, cache=compiled, compile_config=counting_config())
     finally:
         torch._dynamo.reset()
-    counts = [{kind: cache.stats().counts[kind] for kind in ("selections", "loads", "loaded_tokens")}
-              for cache in (eager, compiled)]
-    assert counts[0] == counts[1] and counts[0]["selections"] == 7 * 2 * len(eager.compressed_layers())
-    assert counts[0]["loaded_tokens"] > 0
+    return eager.stats().counts, compiled.stats().counts
+
+
+@pytest.mark.parametrize("press", SENTENCE, ids=label)
+@torch.no_grad()
+def test_a_compiled_sentencekv_generation_counts_its_loads_as_an_eager_one(press):
+    """SentenceKV counts its rankings per row on the device, eagerly and compiled: a compiled generation's
+    `stats()` has as many selections, loads and loaded tokens as the eager one's (a compiled step writes its
+    whole loaded region, but counts the tokens entering the selection, as an eager step copies them)."""
+    counts = [{kind: c[kind] for kind in ("selections", "loads", "loaded_tokens")}
+              for c in counted_generations(press, *left_padded())]
+    layers = make_model("llama").config.num_hidden_layers  # (every one compressed)
+    assert counts[0] == counts[1] and counts[0]["selections"] == 7 * 2 * layers and counts[0]["loaded_tokens"] > 0
 
 
 @pytest.mark.parametrize("press", [StreamingLLMPress(budget=68, window_size=1),
