@@ -122,8 +122,13 @@ class StepViews:
         self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
-        for t in self.grown.values():  # a compiled step writes into the buffers in place (its only inputs of
-            step_state(t)  # them, `slot_n`)
+        # Indices made once: slot n, and each (row, head), for the writes of every step.
+        device, (b, h) = layer.keys.device, layer.keys.shape[:2]
+        self.n = torch.tensor([n], device=device)
+        self.rows = torch.arange(b, device=device)[:, None, None]
+        self.heads = torch.arange(h, device=device)[None, :, None]
+        for t in (*self.grown.values(), self.n, self.rows, self.heads):  # a compiled step writes into the
+            step_state(t)  # buffers in place (its only inputs of them, `slot_n`)
 
     def _are(self, views: dict, layer) -> bool:
         return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
@@ -141,34 +146,35 @@ class StepViews:
         """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`. Slot `n`
         held the last token (an eviction moves it, and leaves it there): the new one's position is one more, found
         on the device (no position read on the host, which a compiled step would be traced anew for)."""
-        new = self.slot_n()
-        new["keys"].copy_(key_states)
-        new["values"].copy_(value_states)
-        new["positions"].add_(1)
-        new["valid"].fill_(True)
+        # Written by index (`index_copy_`, `index_fill_`), as transformers' static cache writes: writes inductor
+        # does in place, where one through a view of slot n made it copy every buffer whole at every step.
+        grown, n = self.grown, self.n
+        position = self.slot_n()["positions"] + 1
+        grown["keys"].index_copy_(2, n, key_states)
+        grown["values"].index_copy_(2, n, value_states)
+        grown["positions"].index_copy_(2, n, position)
+        grown["valid"].index_fill_(2, n, True)
         for name in self.extra_names:
-            new[("extra", name)].zero_()
+            grown[("extra", name)].index_fill_(2, n, 0)
         self._set(layer, self.grown)
         layer.count_step()
         layer.new_tokens = 1
         return layer.keys, layer.values
 
-    def evict(self, layer, slot: torch.Tensor, reuse: bool) -> None:
-        """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`); the layer's tensors become `held`, or with
-        `reuse` False views made after these writes."""
-        grown, new = self.grown, self.slot_n()
-        index = slot[..., None].expand(*slot.shape, grown["keys"].shape[-1])
-        grown["keys"].scatter_(2, index, new["keys"])
-        if grown["values"].shape[-1] != index.shape[-1]:  # (values wider than keys: MiMo-V2-Flash)
-            index = slot[..., None].expand(*slot.shape, grown["values"].shape[-1])
-        grown["values"].scatter_(2, index, new["values"])
-        grown["positions"].scatter_(-1, slot, new["positions"])
-        for name in self.extra_names:
-            grown[("extra", name)].scatter_(-1, slot, new[("extra", name)])
+    def evict(self, layer, slot: torch.Tensor, reuse: bool, validity: bool = False) -> None:
+        """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`), its validity too when `validity` (a
+        victim may be a filler slot); the layer's tensors become `held`, or with `reuse` False views made after
+        these writes."""
+        # By `index_put_` (not `scatter_`, which inductor does not do in place: it copied every buffer whole at
+        # every step), compiled from a copy of slot n (a source that views its destination is not done in place).
+        at, compiling = (self.rows, self.heads, slot), torch.compiler.is_compiling()
+        for name, token in self.slot_n().items():
+            if name != "valid" or validity:
+                self.grown[name].index_put_(at, token.clone() if compiling else token)
         if reuse:
             self.hold(layer)
         else:
-            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in grown.items()})
+            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in self.grown.items()})
 
     def slot_n(self) -> dict:
         """Slot `n` of each buffer: the views made once, or, compiling, views made in the graph. A graph then

@@ -299,11 +299,10 @@ class KVLayer(RowState, CacheLayerMixin):
     def evict(self, victim: torch.Tensor) -> None:
         """Drop one slot per row and head, `victim` `(batch, heads)`: a real token, or a head's filler slot
         (`victims`). The newest slot (a real token) moves into the victim's, and the slots are one fewer."""
-        if not self.all_valid:  # a filler victim holds the newest token from now on (a real one is real already)
-            self.valid.scatter_(-1, victim[..., None], True)
         views = self._views if self._views is not None and self._views.grown_by(self) else StepViews(self)
         reuse = not self.keys.requires_grad  # a forward with gradients reads no view made before these writes
-        views.evict(self, victim[..., None], reuse)
+        # (a filler victim holds the newest token from now on, valid; a real one is valid already)
+        views.evict(self, victim[..., None], reuse, validity=not self.all_valid)
         self._views = views if reuse else None
         self.compressed = True
 
