@@ -244,15 +244,17 @@ class StoreLayer(KVLayer):
         whose tensors were replaced, by a reordered batch, first makes its step room again.)"""
         if self._views is None or not self._views.held_by(self):
             self.make_step_room()
-        n, views = self.loaded, self._views
+        n, buffers = self.loaded, self._views.grown
         slots = slots[..., :n]
         index = slots.to(self.store_keys.device)[..., None]
+        # Written by index, as `StepViews.write`: a write through a view of a buffer, inductor copies it whole.
+        region = torch.arange(n, device=self.device)
         for name, store in (("keys", self.store_keys), ("values", self.store_values)):
             rows = store.gather(2, index.expand(*index.shape[:3], store.shape[-1]))
-            views.held_view(name).narrow(2, 0, n).copy_(rows)
+            buffers[name].index_copy_(2, region, rows.to(self.device))
         b, h = slots.shape[:2]
         positions = self.store_positions.gather(1, slots.flatten(1)).view(b, h, n)
-        views.held_view("positions").narrow(2, 0, n).copy_(positions)
+        buffers["positions"].index_copy_(2, region, positions)
 
     def _load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
               rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
