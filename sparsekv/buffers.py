@@ -150,6 +150,8 @@ class StepViews:
         # does in place, where one through a view of slot n made it copy every buffer whole at every step.
         grown, n = self.grown, self.n
         position = self.slot_n()["positions"] + 1
+        if not torch.compiler.is_compiling():  # an eager step after compiled ones: their count to the host first,
+            layer.settle()  # read from slot n before this token overwrites it (`KVLayer.logical_len`)
         grown["keys"].index_copy_(2, n, key_states)
         grown["values"].index_copy_(2, n, value_states)
         grown["positions"].index_copy_(2, n, position)

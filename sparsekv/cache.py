@@ -9,8 +9,9 @@ The order of events of one model forward, in one place (the hooks call these met
 each hands the press one `Context` (`sparsekv.context`), made once per layer and forward:
 
 1. `begin_forward`: a new `Forward` (its token ids, which tokens are real); at the first forward, each row's
-   prompt length and start; the press's `begin_forward` (e.g. SentenceKV segments the prompt, or ranks every
-   layer's sentences for a step, and leaves the rows that close a sentence in the forward's `plan`).
+   prompt length and start; the press's `begin_forward` (e.g. SentenceKV keeps the prompt's ids). Host work
+   only, run eagerly before the model (the hooks keep it out of a compiled step's graph,
+   `hooks._before_model`): a compiled step is then one graph, guarded once.
 2. For each compressed layer, `before_layer`, before its attention: the store slots the press's `choose` says
    the layer reads, gathered by the core (CHESS's planned working set), then the mask for the layer's physical
    layout.
@@ -154,9 +155,6 @@ class SparseCache(CacheCopies, RowState, Cache):
         self.forward = Forward(input_ids, valid, q_len, first=first, draft=draft, pieces_left=pieces_left,
                                continues_prompt=not first and not piece and q_len > 1 and not draft,
                                own_masks=unreadable and not first and q_len > 1)
-        if self.compiled and not torch.compiler.is_compiling():  # eager code reads the count at every layer
-            for layer in self.compressed_layers():  # (only a compiled cache's steps count on the device)
-                layer.settle()
         if first and pieces_left:
             self.pieces = PromptPieces(self.press.prompt_tail())
         if first or piece:
@@ -177,7 +175,7 @@ class SparseCache(CacheCopies, RowState, Cache):
                 self.compresses = self.budgets is not None and self.press.compresses(self.prompt_lengths,
                                                                                       self.budgets)
         start = clock()
-        self.press.begin_forward(Context(self))  # its plan is press work of this step (or of the prompt)
+        self.press.begin_forward(Context(self))  # host work before the model runs (never compiled)
         self.timed("compress" if first else "step", start)
 
     def before_layer(self, module: torch.nn.Module, hidden: torch.Tensor,

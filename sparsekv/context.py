@@ -118,8 +118,8 @@ class Context:
 
     @property
     def plan(self) -> Any:
-        """What the press made once for every layer of this forward (at `begin_forward`, or its first layer);
-        None until it sets one. Gone with the forward."""
+        """What the press made once for every layer of this forward, at the first layer that needs it; None until
+        it sets one. Gone with the forward."""
         return self.cache.forward.plan
 
     @plan.setter

@@ -23,9 +23,8 @@ class Forward:
             piece.
         contexts: per layer index, the layer's `Context` under way (its attention call; from `before_layer` to
             `after_layer`).
-        plan: a press's plan for every layer of this forward, made once: in its `begin_forward` (e.g.
-            SentenceKV's sentence-closing flags) or by the first layer that needs it; None when it has none. Gone
-            with the forward.
+        plan: a press's plan for every layer of this forward, made once, by the first layer that needs it (H2O's
+            recent window, CHESS's RoPE table); None when it has none. Gone with the forward.
         victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer: when a
             press's step scores are the same in every layer (`Press.scores_by_position`), or the free slot
             of a step's token when every layer holds one layout (`SparseCache.one_layout`).

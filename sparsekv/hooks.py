@@ -91,6 +91,9 @@ def install(press, model: torch.nn.Module):
             restore()
 
 
+# Host work only, never traced: generate compiles `model.__call__`, whose hooks dynamo would trace as a frame of
+# their own, with guards over the cache of their own to check at every step (beside the model's frame).
+@torch.compiler.disable
 def _before_model(inst: Installation, module, args, kwargs):
     inst.running.cache = None
     use_cache = kwargs.get("use_cache")

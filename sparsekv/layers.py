@@ -68,7 +68,7 @@ class KVLayer(RowState, CacheLayerMixin):
 
     @property
     def logical_len(self) -> int:
-        """Tokens seen; after compiled steps and until the driver `settle`s it, read from the device."""
+        """Tokens seen; after compiled steps and until eager code `settle`s it, read from the device."""
         if self._counted_on_device:
             return self._views.newest_position() + 1
         return self._seen
@@ -81,7 +81,8 @@ class KVLayer(RowState, CacheLayerMixin):
         """One more token seen, a decoding step's (`StepViews.write`, which wrote its position one past the last
         one). Compiling, on the device only: a count on the host would be an input of the step's graph, which
         dynamo traces anew for each value of a Python int it reads, and CUDA graphs record anew for each value
-        of an int input. `logical_len` reads it there until the driver `settle`s it, at the next eager forward."""
+        of an int input. `logical_len` reads it there until eager code `settle`s it (an eager step's write, or
+        whatever replaces the step views)."""
         if torch.compiler.is_compiling():
             self._counted_on_device = True  # (a constant stored: nothing read, so nothing traced anew)
         else:
@@ -89,7 +90,8 @@ class KVLayer(RowState, CacheLayerMixin):
 
     def settle(self) -> None:
         """The count of tokens seen back on the host, after compiled steps counted them on the device (a host
-        read): before eager code reads it at every layer, or the step views it is read from go."""
+        read, once): before the step views it is read from go, or an eager step overwrites the slot it is read
+        from (`StepViews.write`)."""
         if self._counted_on_device:
             self.logical_len = self.logical_len
 

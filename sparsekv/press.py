@@ -172,7 +172,9 @@ class Press:
     # --- phases, in the order the driver calls them -------------------------------------------------------------
     def begin_forward(self, ctx: Context) -> None:
         """Before each model forward (`ctx.forward`, the forward about to run, its token ids in
-        `forward.input_ids`; no layer): a plan that every layer of the forward shares goes to `ctx.plan`."""
+        `forward.input_ids`; no layer), always eagerly, also when generate compiles the steps: host work, or a
+        change of the layers' layout, which the model builds its mask for. Tensor work that every layer of a
+        step shares belongs to the first layer that needs it (`ctx.plan`), inside a compiled step's graph."""
 
     def choose(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, bool | None] | None:
         """Before a layer's attention, before its mask: the store slots `(batch, n)` the layer reads in this

@@ -222,6 +222,7 @@ class StoreLayer(KVLayer):
         n)`: which of them are real; `all_valid`: whether every one is, when the caller knows (else read from
         `valid`, a wait on a GPU). `slots` None: every token seen (`valid` `(batch, seen)`), at its position, as
         before the first selection: views of the store, no copy (a store that records every token)."""
+        self.settle()  # (a count made by compiled steps is read from the views)
         self._views = None  # (they view the tensors replaced)
         b, h = self.store_keys.shape[:2]
         if slots is None:

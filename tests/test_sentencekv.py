@@ -102,7 +102,8 @@ def fake_call(queries):
 def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     """A compressed layer 0, 1 KV head: `loaded` slots (`fill` of them real) and a store of two 4-token sentences
     whose mean keys are e0 and e1 (positions 100-103, 104-107); and what the press's decoding hooks read and write
-    on the cache: counters, the forward (its sentence-end flags, every input token real), the ranking state."""
+    on the cache: counters, the forward (its token, every input token real), the ranking state (which token ids
+    end a sentence: id 1 only)."""
     layer = p.new_layer(0)
     d, store = 4, 8
     layer.update(torch.zeros(1, 1, loaded + 12, d), torch.zeros(1, 1, loaded + 12, d))  # + 12 resident slots
@@ -113,6 +114,7 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
     layer.store_keys, layer.store_values = keys, -keys
     layer.store_positions = torch.arange(100, 100 + store)[None]
     state, slot_sentence, sizes = SentenceState(), torch.tensor([[[0, 0, 0, 0, 1, 1, 1, 1]]]), torch.tensor([[[4, 4]]])
+    state.closes = torch.tensor([False, True, False])
     state.add_layer(0, query_sum=torch.zeros(1, 1, 1, d), slot_sentence=slot_sentence, sentence_sizes=sizes,
                     slot_room=loading_room(slot_sentence, sizes, torch.tensor([[[fill]]])),
                     sentence_keys=torch.tensor([[1.0, 0, 1.5, 0], [0, 1.0, 5.5, 0]])[None, None],
@@ -120,7 +122,8 @@ def two_sentence_layer(p, fill: int = 4, loaded: int = 4):
                     device_slot=torch.zeros(1, 1, store, dtype=torch.long))
     stack, rank = state.find(0)
     load(layer, stack, rank, SentencePress.chosen(stack.at(rank)), first=True)  # as compress does: sentence 0 first
-    cache = SimpleNamespace(state=state, forward=SimpleNamespace(plan=None, input_valid=None), compiled=False)
+    cache = SimpleNamespace(state=state, forward=SimpleNamespace(input_ids=torch.tensor([[0]]), input_valid=None),
+                            compiled=False)
     return layer, cache
 
 
@@ -166,7 +169,7 @@ def test_selection_follows_the_query_and_resets_at_sentence_ends():
     assert loaded_positions(layer, 4) == [104, 105, 106, 107] and counts(cache)["loads"] == 1
     p.on_queries(Context(cache, layer, fake_call(toward(1))))  # same selection: nothing loaded
     assert counts(cache) == {"loads": 1, "selections": 3, "loaded_tokens": 4}
-    cache.forward.plan = torch.tensor([True])  # the step's token ends a sentence
+    cache.forward.input_ids = torch.tensor([[1]])  # the step's token ends a sentence
     p.after_step(Context(cache, layer, LAYER0))  # the sentence ended: a fresh mean query
     assert not ranking(cache, 0).query_sum.any()
     p.on_queries(Context(cache, layer, fake_call(0.1 * toward(0))))

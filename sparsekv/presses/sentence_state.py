@@ -168,13 +168,11 @@ def widened(state, s: int):
     return state
 
 
-def end_sentence(stack: LayerStack, closing: torch.Tensor | None) -> None:
+def end_sentence(stack: LayerStack, closing: torch.Tensor) -> None:
     """Rows `closing` `(batch,)` ended a sentence: their mean query starts anew, and the sums before are kept for
-    `crop`. None: no row did."""
-    if closing is not None:
-        # (at every step, whether a row closed or not: which did is on the device, and the sums are small)
-        stack.before_reset = stack.query_sum.clone()
-        stack.query_sum.masked_fill_(as_rows(closing, stack.query_sum), 0.0)  # a new sentence starts
+    `crop`. (At every step, whether a row closed or not: which did is on the device, and the sums are small.)"""
+    stack.before_reset = stack.query_sum.clone()
+    stack.query_sum.masked_fill_(as_rows(closing, stack.query_sum), 0.0)  # a new sentence starts
 
 
 def as_rows(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

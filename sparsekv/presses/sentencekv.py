@@ -143,13 +143,9 @@ class SentencePress(SnapKVPress):
             state.prompt_ids = ids if state.prompt_ids is None else torch.cat([state.prompt_ids, ids], 1)
             if state.closes is None:  # every token id's sentence end, looked up on the device at each step
                 state.closes = closing_table(self.tokenizer).to(ids.device)
-        # The plan of this forward: which rows' last token ends a sentence (left padding: every row's last token).
         state.step_ids = forward.input_ids
-        ctx.plan = state.closing(forward.input_ids[:, -1])
         for stack in state.stacks:  # this forward's queries, kept for `crop`
             stack.step_queries = [None] * len(stack.ranks)
-        if self.rank_at == "step":
-            rank_step(self, ctx.cache)
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, ctx: Context) -> None:
@@ -260,11 +256,9 @@ class SentencePress(SnapKVPress):
     def _seed_queries(ctx, device):
         """The start of each row's sentence query sum (eq. 2) `(b, h, 1, d)`: the queries of its prompt's last
         sentence when the prompt ends inside that sentence (the sentence being generated began in the prompt)."""
-        closing = ctx.plan
         sentences = ctx.state.sentences.to(device)
         last = sentences == sentences[:, -1:]  # left padding: the last column is every row's last real token
-        if closing is not None:
-            last &= ~closing.to(last.device)[:, None]
+        last &= ~ends_sentence(ctx).to(last.device)[:, None]
         if not bool(last.any()):
             return 0.0
         start = int(last.long().argmax(dim=1).where(last.any(dim=1), last.shape[1]).min())
@@ -272,6 +266,17 @@ class SentencePress(SnapKVPress):
         return queries.sum(dim=2, keepdim=True)
 
     # --- decoding --------------------------------------------------------------------------------------------
+    def choose(self, ctx: Context) -> None:
+        """`rank_at="step"`: at a forward's first compressed layer, before its mask, every layer's sentences ranked
+        and loaded with the queries before this forward (`rank_step`), inside a compiled step's graph; each layer
+        then reads its working set as it holds it (None). (Not when the core plans a compiled cache's steps,
+        `SparseCache.ready_for_steps`, which runs no layer: `ctx.call` None.)"""
+        state = ctx.state
+        if self.rank_at == "step" and ctx.call is not None and state.stacks and \
+                next(iter(state.stacks[0].ranks)) == ctx.layer_idx:
+            rank_step(self, ctx.cache)
+        return None
+
     def on_queries(self, ctx: Context) -> None:
         found = ctx.state.find(ctx.layer_idx)
         if found is None:  # not compressed: every prompt token attended
@@ -315,7 +320,7 @@ class SentencePress(SnapKVPress):
     def after_step(self, ctx: Context) -> None:
         found = ctx.state.find(ctx.layer_idx)
         if found is not None and ctx.layer_idx == found[0].last:  # every layer's at once, after the last
-            end_sentence(found[0], ctx.plan)
+            end_sentence(found[0], ends_sentence(ctx))
 
     def crop(self, cache: SparseCache, length: int) -> None:
         """A rejected draft: its queries leave the mean query, and so does a sentence end it caused; the last kept
@@ -335,3 +340,9 @@ class SentencePress(SnapKVPress):
                 stack.query_sum.masked_fill_(as_rows(ends, stack.query_sum), 0.0)
             stack.before_reset = None
             stack.step_queries = [None] * len(stack.ranks)
+
+
+def ends_sentence(ctx: Context) -> torch.Tensor:
+    """`(batch,)` whether each row's last token of the forward ends a sentence (left padding: every row's last
+    column), looked up on the device (`SentenceState.closing`)."""
+    return ctx.state.closing(ctx.forward.input_ids[:, -1])
