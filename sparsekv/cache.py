@@ -68,10 +68,13 @@ class SparseCache(CacheCopies, RowState, Cache):
         max_new_tokens: a `compiled` cache's room for the tokens each generation adds after its prompt, under a
             press that keeps them all (`Press.holds_budget_while_decoding` False); None otherwise.
         forward: the `Forward` under way, None between forwards.
-        one_layout: every compressed layer holds the same validity, on one device (a compiled cache's layers after
-            its prompt, under every press whose steps compile, `ready_for_steps`): a decoding step builds one mask
-            for them and finds one free slot for its token (`Forward.mask`, `Forward.victims`), not one per layer.
-            A step keeps it so: its token takes a free slot found from that validity, or a real token's slot.
+        layouts: per compressed layer's index, the index of the first compressed layer that holds the same
+            validity on the same device, its layout's (a compiled cache's layers after its prompt, under every
+            press whose steps compile, `ready_for_steps`; empty before, and after a crop): a decoding step builds
+            one mask for the layers of a layout and finds one free slot for its token (`Forward.masks`,
+            `Forward.step_slots`), not one per layer. Under most presses every layer holds one layout
+            (`one_layout`); under ChunkKV, each set of layers whose chunks hold as many tokens. A step keeps them
+            so: its token takes a free slot found from that validity, or a real token's slot.
         seconds: time spent in press work, "compress" and "step" (for `stats`); counts: press events by kind.
     """
 
@@ -92,7 +95,7 @@ class SparseCache(CacheCopies, RowState, Cache):
         self.prompt_start: torch.Tensor | None = None
         self.budgets: torch.Tensor | None = None
         self.compresses = False
-        self.one_layout = False
+        self.layouts: dict[int, int] = {}
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.shared: dict | None = None  # prompt-only results of replays of one Prefill (`Context.prompt_work`)
@@ -117,6 +120,11 @@ class SparseCache(CacheCopies, RowState, Cache):
         if copy_ is None or copy_[0] is not source:
             copy_ = self._copies[(name, device)] = (source, source.to(device))
         return copy_[1]
+
+    @property
+    def one_layout(self) -> bool:
+        """Every compressed layer holds one layout (`layouts`): a decoding step builds one mask for all."""
+        return bool(self.layouts) and len(set(self.layouts.values())) == 1
 
     @property
     def largest_budget(self) -> int:
@@ -196,15 +204,16 @@ class SparseCache(CacheCopies, RowState, Cache):
                 forward.q_len == 1 or module.config._attn_implementation.startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
         new_valid = forward.input_valid
-        if forward.mask is not None:  # built by the step's first layer for every layer (`one_layout`)
-            return forward.mask
+        layout = self.layouts.get(module.layer_idx) if forward.q_len == 1 else None
+        if layout in forward.masks:  # built by the step's first layer of this layout, for all of them
+            return forward.masks[layout]
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
         past = layer.past_valid()
         mask = physical_mask(past[:, 0] if layer.heads_agree else past, new_valid, module.config._attn_implementation,
                              hidden.dtype, query_groups(module))
-        if self.one_layout and forward.q_len == 1:
-            forward.mask = mask
+        if layout is not None:
+            forward.masks[layout] = mask
         return mask
 
     def after_queries(self, layer_idx: int, projected: torch.Tensor) -> None:
@@ -248,10 +257,12 @@ class SparseCache(CacheCopies, RowState, Cache):
             if holds and press.scores_steps:  # a row over its budget evicts its lowest-scored tokens
                 hold_budget(ctx, lambda: press.score_step(ctx), press.scores_by_position)
             if self.compiled and not holds:
-                # The step's token to a free slot: the layer keeps its shape. One layout: the first layer's slot.
-                victims = layer.keep_step_token(self.forward.victims)
-                if self.one_layout:
-                    self.forward.victims = victims
+                # The step's token to a free slot: the layer keeps its shape. The slot its layout's first layer
+                # found, where it has one (`layouts`).
+                layout = self.layouts.get(layer_idx)
+                slot = layer.keep_step_token(self.forward.step_slots.get(layout))
+                if layout is not None and slot is not None:
+                    self.forward.step_slots[layout] = slot
             kind = "step"
         self.timed(kind, start)
 
@@ -292,9 +303,14 @@ class SparseCache(CacheCopies, RowState, Cache):
                 layer.make_step_room((layer.largest_budget or self.largest_budget) - layer.slots)
             else:
                 layer.make_step_room(self.max_new_tokens - layer.free_slots())
-        layers = self.compressed_layers()
-        self.one_layout = all(layer.device == layers[0].device and layer.slots == layers[0].slots
-                              and torch.equal(layer.valid, layers[0].valid) for layer in layers)
+        self.layouts, leaders = {}, []
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, KVLayer):
+                continue
+            leader = next((j for j in leaders if same_layout(self.layers[j], layer)), None)
+            if leader is None:
+                leaders.append(leader := i)
+            self.layouts[i] = leader
 
     def _gather_chosen(self, ctx: Context, in_place: bool) -> None:
         """The store slots the press's `choose` says `ctx.layer` reads, gathered into its working set (`in_place`:
@@ -344,7 +360,7 @@ class SparseCache(CacheCopies, RowState, Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"crop: give a negative number of tokens to remove; got {tokens_to_remove}.")
         length = self.get_seq_length() + tokens_to_remove
-        self.one_layout = False  # (the next forward of several tokens finds it again, `ready_for_steps`)
+        self.layouts = {}  # (the next forward of several tokens finds them again, `ready_for_steps`)
         if tokens_to_remove and self.prompt_lengths is not None:
             self.press.crop(self, length)  # first: it may read the rejected tokens' KV
         for layer in self.layers:
@@ -364,6 +380,12 @@ class SparseCache(CacheCopies, RowState, Cache):
     def prompt_kept(self) -> dict[int, torch.Tensor]:
         """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens whose KV it reads now."""
         return prompt_kept(self)
+
+
+def same_layout(a: KVLayer, b: KVLayer) -> bool:
+    """Whether layers `a` and `b` hold the same validity on one device: a step's mask and free slot serve both."""
+    return (a.device == b.device and a.slots == b.slots and a.heads_agree == b.heads_agree
+            and torch.equal(a.valid, b.valid))
 
 
 def clock() -> float | None:

@@ -25,11 +25,12 @@ class Forward:
             `after_layer`).
         plan: a press's plan for every layer of this forward, made once, by the first layer that needs it (H2O's
             recent window, CHESS's RoPE table); None when it has none. Gone with the forward.
-        victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer: when a
-            press's step scores are the same in every layer (`Press.scores_by_position`), or the free slot
-            of a step's token when every layer holds one layout (`SparseCache.one_layout`).
-        mask: the attention mask of a decoding step's every layer when they hold one layout
-            (`SparseCache.one_layout`), built at its first layer; None otherwise.
+        victims: a decoding step's victim slots `(batch, heads)`, found at its first layer for every layer, when a
+            press's step scores are the same in every layer (`Press.scores_by_position`).
+        masks: per layout (`SparseCache.layouts`), the attention mask of a decoding step's layers of that layout,
+            built at the first of them.
+        step_slots: per layout, the free slot `(batch, heads)` a decoding step's token takes in its layers (a
+            press that keeps every token), found at the first of them.
         draft: the forward's tokens are a draft being verified (assisted decoding, prompt lookup), which a crop may
             take back.
         continues_prompt: several new tokens after the first forward that are not a draft being verified: a
@@ -51,7 +52,8 @@ class Forward:
     contexts: dict[int, Context] = field(default_factory=dict)
     plan: Any = None
     victims: torch.Tensor | None = None
-    mask: Any = None
+    masks: dict[int, Any] = field(default_factory=dict)
+    step_slots: dict[int, torch.Tensor] = field(default_factory=dict)
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
 
 

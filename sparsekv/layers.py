@@ -267,7 +267,7 @@ class KVLayer(RowState, CacheLayerMixin):
         """A decoding step's token that the press did not make room for by an eviction (it keeps every token while
         decoding) moves from the step's slot into its head's first free slot, `(batch, heads)`: the layer keeps
         its shape (a compiled cache, `make_step_room`). `slot`: that slot, found by another layer of the same
-        validity (`SparseCache.one_layout`); None: found here. With no free slot left, a device-side error (no
+        validity (`SparseCache.layouts`); None: found here. With no free slot left, a device-side error (no
         host read: the step may be a compiled graph), never an overwritten token. Returns the slot taken."""
         views = self._views
         if views is None or not views.grown_by(self):

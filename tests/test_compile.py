@@ -20,6 +20,7 @@ from sparsekv import (
     CHESSPress, ChunkPress, H2OPress, KeyDiffPress, KnormPress, SentencePress, SnapKVPress, StoreLayer,
     StreamingLLMPress, TOVAPress,
 )
+from sparsekv.layers import KVLayer
 from sparsekv.press import Press
 
 PRESSES = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, window_size=1),
@@ -319,11 +320,11 @@ def test_a_compiled_generation_leaves_the_eager_cache(press):
 
 @pytest.mark.parametrize("press", COMPILED, ids=label)
 @torch.no_grad()
-def test_a_step_over_layers_of_one_layout_builds_one_mask_and_finds_one_slot(press, monkeypatch):
-    """A compiled cache's layers hold one validity after the prompt (`SparseCache.one_layout`): a decoding step
-    builds the mask at its first layer and every layer reads it, and a press that keeps every token finds its
-    token's free slot once; the step's logits and every layer's tokens are those of a step that builds and finds
-    them per layer."""
+def test_a_step_builds_one_mask_and_finds_one_slot_per_layout(press, monkeypatch):
+    """A compiled cache's layers that hold one validity after the prompt share a layout (`SparseCache.layouts`;
+    every layer, under most presses): a decoding step builds the mask at the first layer of each layout, and a
+    press that keeps every token finds its token's free slot there, for the others; the step's logits and every
+    layer's tokens are those of a step that builds and finds them per layer."""
     import sparsekv.cache
     import sparsekv.layers
 
@@ -333,9 +334,15 @@ def test_a_step_over_layers_of_one_layout_builds_one_mask_and_finds_one_slot(pre
     with press(model):
         cache = compiled_cache(model, press)
         model(ids, attention_mask=mask, cache=cache)
-        assert cache.one_layout
+        layouts = set(cache.layouts.values())
+        assert sorted(cache.layouts) == [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
+        assert cache.one_layout == (len(layouts) == 1) and len(layouts) < len(cache.layouts)
+        if not isinstance(press, ChunkPress):  # (ChunkKV: a layout per count of tokens its chunks hold)
+            assert cache.one_layout
+        for i, leader in cache.layouts.items():
+            assert torch.equal(cache.layers[i].valid, cache.layers[leader].valid)
         twin = copy.deepcopy(cache)
-        twin.one_layout = False
+        twin.layouts = {}
         expected = model(step, cache=twin).logits
         calls = {"mask": 0, "slot": 0}
 
@@ -347,12 +354,33 @@ def test_a_step_over_layers_of_one_layout_builds_one_mask_and_finds_one_slot(pre
         monkeypatch.setattr(sparsekv.cache, "physical_mask", counted("mask", sparsekv.cache.physical_mask))
         monkeypatch.setattr(sparsekv.layers, "first_true", counted("slot", sparsekv.layers.first_true))
         logits = model(step, cache=cache).logits
-    assert calls["mask"] == 1
+    assert calls["mask"] == len(layouts)
     if not press.holds_budget_while_decoding():  # (an evicting press's victims are its scores' in each layer)
-        assert calls["slot"] == (0 if isinstance(press, CHESSPress) else 1)  # (CHESS's store has the room)
+        assert calls["slot"] == (0 if isinstance(press, CHESSPress) else len(layouts))  # (CHESS: the store's room)
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
     for ours, theirs in zip(cache.compressed_layers(), twin.compressed_layers()):
         assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.valid, theirs.valid)
+
+
+def test_chunkkv_layers_of_other_chunk_totals_hold_layouts_of_their_own():
+    """ChunkKV keeps whole chunks, so layers whose chunks hold fewer tokens than the budget hold another validity
+    than the others: each such set of layers is a layout of its own (`SparseCache.layouts`), its mask built once a
+    step, and the compiled step's logits are the eager step's."""
+    model = make_model("llama")
+    ids, mask = left_padded()
+    press = ChunkPress(ratio=0.4, window_size=2, chunk_size=5, reuse_layers=1)
+    with torch.no_grad(), press(model):
+        cache = compiled_cache(model, press)
+        model(ids, attention_mask=mask, cache=cache)
+        # (keep puts a row's fillers first: layers whose rows keep as many tokens hold one validity)
+        kept = {i: tuple(cache.layers[i].valid.sum(-1).flatten().tolist()) for i in cache.layouts}
+        assert len(set(kept.values())) > 1  # (else this checks nothing: choose another prompt)
+        for i, leader in cache.layouts.items():
+            assert (leader == i) == all(kept[j] != kept[i] for j in cache.layouts if j < i)
+        twin = copy.deepcopy(cache)
+        twin.layouts = {}
+        step = prompt(1, batch=2, seed=3)
+        torch.testing.assert_close(model(step, cache=cache).logits, model(step, cache=twin).logits, rtol=0, atol=0)
 
 
 def test_a_cache_that_cannot_compile_is_refused_at_the_door():
