@@ -144,6 +144,8 @@ def test_compiled_decode_on_a_random_model(tmp_path, capsys):
     rows = {(row["config"], row["mode"]): row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(c, m) for c in ("oracle", "streamingllm") for m in ("eager", "compiled")}
     assert rows[("oracle", "eager")]["vs_oracle"] == rows[("oracle", "compiled")]["vs_oracle"] == 1.0
+    assert rows[("oracle", "eager")]["vs_oracle_rounds"] == rows[("oracle", "compiled")]["vs_oracle_rounds"] == 1.0
+    assert all(row["vs_oracle_rounds"] > 0 for row in rows.values())  # (each round's ratio, then their median)
     assert rows[("streamingllm", "eager")]["vs_eager"] == 1.0 and rows[("streamingllm", "eager")]["compile_s"] is None
     assert rows[("streamingllm", "compiled")]["same_tokens"] is True
     assert rows[("oracle", "compiled")]["same_tokens"] is True
