@@ -120,8 +120,9 @@ def measure(model, ids: torch.Tensor, specs: list[str], ratio: float, new: int, 
                 print(f"{name}, batch {ids.shape[0]}: failed: {type(err).__name__}: {err}"[:2000])
                 failed.add(name)
                 continue
-            steps[name] += clock.steps(warmup)
-            rounds[name][repeat] = statistics.median(clock.steps(warmup))
+            timed = clock.steps(warmup)
+            steps[name] += timed
+            rounds[name][repeat] = statistics.median(timed)
             seconds[name].append(took)
             tokens.setdefault(name, out)
     progress.close()

@@ -81,8 +81,7 @@ class KVLayer(RowState, CacheLayerMixin):
         """One more token seen, a decoding step's (`StepViews.write`, which wrote its position one past the last
         one). Compiling, on the device only: a count on the host would be an input of the step's graph, which
         dynamo traces anew for each value of a Python int it reads, and CUDA graphs record anew for each value
-        of an int input. `logical_len` reads it there until eager code `settle`s it (an eager step's write, or
-        whatever replaces the step views)."""
+        of an int input. `logical_len` reads it there until eager code `settle`s it."""
         if torch.compiler.is_compiling():
             self._counted_on_device = True  # (a constant stored: nothing read, so nothing traced anew)
         else:
