@@ -122,13 +122,22 @@ class StepViews:
         self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
-        # Indices made once: slot n, and each (row, head), for the writes of every step.
-        device, (b, h) = layer.keys.device, layer.keys.shape[:2]
-        self.n = torch.tensor([n], device=device)
-        self.rows = torch.arange(b, device=device)[:, None, None]
-        self.heads = torch.arange(h, device=device)[None, :, None]
-        for t in (*self.grown.values(), self.n, self.rows, self.heads):  # a compiled step writes into the
-            step_state(t)  # buffers in place (its only inputs of them, `slot_n`)
+        # The writes' indices: slot n, and each (row, head). Made once for eager steps; a compiled step makes them
+        # in its graph, as constants (as its inputs, each would be one more tensor to guard before every step),
+        # from the sizes of its buffers, static (an int of their own would be traced as a symbol).
+        self._indices = self._make_indices()
+        for t in self.grown.values():  # a compiled step writes into the buffers in place (its only inputs of
+            step_state(t)  # them, `slot_n`)
+
+    def _make_indices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        keys = self.grown["keys"]
+        (b, h, slots), device = keys.shape[:3], keys.device
+        return (torch.tensor([slots - 1], device=device), torch.arange(b, device=device)[:, None, None],
+                torch.arange(h, device=device)[None, :, None])
+
+    def indices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(n, rows, heads)`: slot n `(1,)`, and each row `(b, 1, 1)` and head `(1, h, 1)` of the buffers."""
+        return self._make_indices() if torch.compiler.is_compiling() else self._indices
 
     def _are(self, views: dict, layer) -> bool:
         return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
@@ -148,7 +157,7 @@ class StepViews:
         on the device (no position read on the host, which a compiled step would be traced anew for)."""
         # Written by index (`index_copy_`, `index_fill_`), as transformers' static cache writes: writes inductor
         # does in place, where one through a view of slot n made it copy every buffer whole at every step.
-        grown, n = self.grown, self.n
+        grown, n = self.grown, self.indices()[0]
         position = self.slot_n()["positions"] + 1
         if not torch.compiler.is_compiling():  # an eager step after compiled ones: their count to the host first,
             layer.settle()  # read from slot n before this token overwrites it (`KVLayer.logical_len`)
@@ -169,7 +178,8 @@ class StepViews:
         these writes."""
         # By `index_put_` (not `scatter_`, which inductor does not do in place: it copied every buffer whole at
         # every step), compiled from a copy of slot n (a source that views its destination is not done in place).
-        at, compiling = (self.rows, self.heads, slot), torch.compiler.is_compiling()
+        (_, rows, heads), compiling = self.indices(), torch.compiler.is_compiling()
+        at = (rows, heads, slot)
         for name, token in self.slot_n().items():
             if name != "valid" or validity:
                 self.grown[name].index_put_(at, token.clone() if compiling else token)

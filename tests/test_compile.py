@@ -185,6 +185,32 @@ def test_generate_compiles_the_decoding_steps(press, batch):
     assert not aliased, f"inputs over one storage: {aliased}"
 
 
+@pytest.mark.parametrize("press", COMPILED[:3], ids=label)
+@torch.no_grad()
+def test_a_compiled_step_takes_no_index_tensor_as_an_input(press):
+    """A compiled step makes the indices of its writes (slot n, each row and head) in its graph, from its buffers'
+    static sizes: none of the tensors an eager step uses for them is an input of the graph, where each would be one
+    more tensor dynamo guards before every step."""
+    model = make_model("llama")
+    inputs = []
+
+    def backend(gm, example_inputs):
+        inputs.extend(t.untyped_storage().data_ptr() for t in example_inputs if isinstance(t, torch.Tensor))
+        return gm.forward
+
+    config = CompileConfig(backend=backend, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            cache = compiled_cache(model, press)
+            greedy(model, prompt(64), None, new=4, cache=cache, compile_config=config)
+    finally:
+        torch._dynamo.reset()
+    indices = {t.untyped_storage().data_ptr() for layer in cache.compressed_layers() for t in layer._views._indices}
+    assert inputs and indices and not indices & set(inputs)
+
+
 @pytest.mark.parametrize("press", CHESS, ids=label)
 @torch.no_grad()
 def test_a_compiled_chess_generation_counts_its_selections_as_an_eager_one(press):
