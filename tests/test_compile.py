@@ -70,13 +70,16 @@ def boolean_arg_reductions(gm) -> list[str]:
     return found
 
 
-def count_graphs(graphs: list, ints: list | None = None, aliased: list | None = None):
+def count_graphs(graphs: list, ints: list | None = None, aliased: list | None = None, addresses: list | None = None):
     """A dynamo backend that runs each graph as traced (no code generation), keeps it in `graphs`, the names of
-    its inputs that are not tensors (symbolic ints) in `ints` and the shapes of its tensor inputs over one
-    storage in `aliased`; it refuses a graph with an argmax or argmin over booleans (`boolean_arg_reductions`)."""
+    its inputs that are not tensors (symbolic ints) in `ints`, the shapes of its tensor inputs over one
+    storage in `aliased` and the address of each tensor input's storage in `addresses`; it refuses a graph
+    with an argmax or argmin over booleans (`boolean_arg_reductions`)."""
     def backend(gm, example_inputs):
         assert not boolean_arg_reductions(gm), boolean_arg_reductions(gm)
         graphs.append(gm)
+        if addresses is not None:
+            addresses.extend(t.untyped_storage().data_ptr() for t in example_inputs if isinstance(t, torch.Tensor))
         if ints is not None:
             ints.extend(node.name for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
                         if not isinstance(value, torch.Tensor))
@@ -90,11 +93,12 @@ def count_graphs(graphs: list, ints: list | None = None, aliased: list | None = 
     return backend
 
 
-def counting_config(graphs: list | None = None, ints: list | None = None, aliased: list | None = None
-                    ) -> CompileConfig:
+def counting_config(graphs: list | None = None, ints: list | None = None, aliased: list | None = None,
+                    addresses: list | None = None) -> CompileConfig:
     """generate's `compile_config` with the `count_graphs` backend, compiling on a CPU too (transformers compiles
     there only when asked to)."""
-    config = CompileConfig(backend=count_graphs([] if graphs is None else graphs, ints, aliased), mode=None)
+    config = CompileConfig(backend=count_graphs([] if graphs is None else graphs, ints, aliased, addresses),
+                           mode=None)
     config._compile_all_devices = True
     return config
 
@@ -193,13 +197,7 @@ def test_a_compiled_step_takes_no_index_tensor_as_an_input(press):
     more tensor dynamo guards before every step."""
     model = make_model("llama")
     inputs = []
-
-    def backend(gm, example_inputs):
-        inputs.extend(t.untyped_storage().data_ptr() for t in example_inputs if isinstance(t, torch.Tensor))
-        return gm.forward
-
-    config = CompileConfig(backend=backend, mode=None)
-    config._compile_all_devices = True
+    config = counting_config(addresses=inputs)
     torch._dynamo.reset()
     try:
         with press(model):
