@@ -3,11 +3,14 @@
 Growable buffers: new slots written in place into room behind a tensor, a buffer with `GROW` free slots made when
 there is none, so that decoding copies a layer's KV once every `GROW` steps instead of at every step (as
 `torch.cat` does). Step views (`StepViews`): an evicting layer's views of those buffers, made once, so that its
-steps write and scatter without making any."""
+steps write and scatter without making any. Where a layer's per-slot tensors live, its own or its step views'
+(`SlotTensors`)."""
 
 from __future__ import annotations
 
 import torch
+
+from .state import tensors_in
 
 # Free slots added when a layer's buffers are full: decoding copies its KV once every GROW steps (a page of CHESS).
 GROW = 32
@@ -109,11 +112,14 @@ def first_true(mask: torch.Tensor) -> torch.Tensor:
 
 class StepViews:
     """A layer that evicts one token a step holds `n` slots between steps and `n + 1` during one: the same
-    buffers at two lengths. These are their views, made at an eviction and reused while they are the layer's
-    tensors: `held` (`n` slots), `grown` (`n + 1`) and `newest` (slot `n`, where a step's token is written and
-    whence an eviction moves it). A step then writes and scatters and makes no view: each view is an op to
-    dispatch, and a decoding step's cost where the host is the bound is its op count. (`layer`, in each method: the
-    `sparsekv.layers.KVLayer` whose tensors these view; not imported here, as layers.py imports this module.)"""
+    buffers at two lengths. While these views are the layer's (from its first eviction, or `make_step_room`, until
+    anything replaces its tensors), they are its per-slot tensors: `held` (`n` slots) between steps, `grown`
+    (`n + 1`, the buffers) during one, `phase` says which (`KVLayer.keys`, ...), and `newest` is slot `n`, where
+    a step's token is written and whence an eviction moves it. A step then writes and scatters and makes no view,
+    nor assigns any tensor: each view is an op to dispatch, and a decoding step's cost where the host is the bound
+    is its op count. A compiled step reads the buffers alone (its views of them are made in its graph), so that
+    they are its only inputs of this layer's (every input is guarded before every step). (`layer`, in each method:
+    the `sparsekv.layers.KVLayer` these belong to; not imported here, as layers.py imports this module.)"""
 
     def __init__(self, layer):
         n = layer.slots - 1
@@ -122,6 +128,11 @@ class StepViews:
         self.held = {k: t.narrow(slot_dim(t), 0, n) for k, t in self.grown.items()}
         self.newest = {k: t.narrow(slot_dim(t), n, 1) for k, t in self.grown.items()}
         self.extra_names = tuple(layer.extra)
+        # Each phase's `layer.extra`, eagerly: one dict, so that a press's per-slot tensor replaced (not written in
+        # place) while decoding is found (`write`), not lost.
+        self._extras = {phase: {name: views[("extra", name)] for name in self.extra_names}
+                        for phase, views in (("held", self.held), ("grown", self.grown))}
+        self.phase = "grown"
         # The writes' indices: slot n, and each (row, head). Made once for eager steps; a compiled step makes them
         # in its graph, as constants (as its inputs, each would be one more tensor to guard before every step),
         # from the sizes of its buffers, static (an int of their own would be traced as a symbol).
@@ -139,17 +150,24 @@ class StepViews:
         """`(n, rows, heads)`: slot n `(1,)`, and each row `(b, 1, 1)` and head `(1, h, 1)` of the buffers."""
         return self._make_indices() if torch.compiler.is_compiling() else self._indices
 
-    def _are(self, views: dict, layer) -> bool:
-        return (views["keys"] is layer.keys and views["values"] is layer.values and views["positions"] is
-                layer.positions and views["valid"] is layer.valid and tuple(layer.extra) == self.extra_names
-                and all(views[("extra", name)] is t for name, t in layer.extra.items()))
+    def tensor(self, name) -> torch.Tensor:
+        """The layer's per-slot tensor `name` ("keys", "values", "positions", "valid", or `("extra", name)`) in
+        this phase: compiling, a held one is a view made in the graph (`held_view`)."""
+        return self.grown[name] if self.phase == "grown" else self.held_view(name)
+
+    def extras(self) -> dict[str, torch.Tensor]:
+        """The layer's `extra` in this phase: compiling, views made in the graph (a press writes them in place)."""
+        if torch.compiler.is_compiling():
+            return {name: self.tensor(("extra", name)) for name in self.extra_names}
+        return self._extras[self.phase]
 
     def held_by(self, layer) -> bool:
-        """Whether `layer`'s tensors are these `n`-slot views (nothing replaced them since the eviction)."""
-        return self._are(self.held, layer)
+        """Whether `layer` holds these views' `n` slots (between steps)."""
+        return layer._views is self and self.phase == "held"
 
     def grown_by(self, layer) -> bool:
-        return self._are(self.grown, layer)
+        """Whether `layer` holds these views' `n + 1` slots (a step's token written, not yet kept)."""
+        return layer._views is self and self.phase == "grown"
 
     def write(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
         """A decoding step's token (real in every row) into slot `n`; the layer's tensors become `grown`. Slot `n`
@@ -161,21 +179,30 @@ class StepViews:
         position = self.slot_n()["positions"] + 1
         if not torch.compiler.is_compiling():  # an eager step after compiled ones: their count to the host first,
             layer.settle()  # read from slot n before this token overwrites it (`KVLayer.logical_len`)
+            self._check_extras()
         grown["keys"].index_copy_(2, n, key_states)
         grown["values"].index_copy_(2, n, value_states)
         grown["positions"].index_copy_(2, n, position)
         grown["valid"].index_fill_(2, n, True)
         for name in self.extra_names:
             grown[("extra", name)].index_fill_(2, n, 0)
-        self._set(layer, self.grown)
+        self.phase = "grown"
         layer.count_step()
         layer.new_tokens = 1
-        return layer.keys, layer.values
+        return grown["keys"], grown["values"]
+
+    def _check_extras(self) -> None:
+        for phase, views in (("held", self.held), ("grown", self.grown)):
+            if any(t is not views[("extra", name)] for name, t in self._extras[phase].items()) \
+                    or len(self._extras[phase]) != len(self.extra_names):
+                raise RuntimeError("sparsekv: a press replaced or added a per-slot tensor of `ctx.extra` while "
+                                   "decoding; write it in place there (`ctx.extra[name] += ...`), add it at the "
+                                   "prompt (`compress`).")
 
     def evict(self, layer, slot: torch.Tensor, reuse: bool, validity: bool = False) -> None:
         """Move slot `n` into the victims' (`slot` `(batch, heads, 1)`), its validity too when `validity` (a
         victim may be a filler slot); the layer's tensors become `held`, or with `reuse` False views made after
-        these writes."""
+        these writes (the layer's own: these views are let go)."""
         # By `index_put_` (not `scatter_`, which inductor does not do in place: it copied every buffer whole at
         # every step), compiled from a copy of slot n (a source that views its destination is not done in place).
         (_, rows, heads), compiling = self.indices(), torch.compiler.is_compiling()
@@ -184,9 +211,11 @@ class StepViews:
             if name != "valid" or validity:
                 self.grown[name].index_put_(at, token.clone() if compiling else token)
         if reuse:
-            self.hold(layer)
+            self.phase = "held"
         else:
-            self._set(layer, {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in self.grown.items()})
+            held = {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in self.grown.items()}
+            layer.replace_tensors({**{k: held[k] for k in ("keys", "values", "positions", "valid")},
+                                   "extra": {name: held[("extra", name)] for name in self.extra_names}})
 
     def slot_n(self) -> dict:
         """Slot `n` of each buffer: the views made once, or, compiling, views made in the graph. A graph then
@@ -203,11 +232,11 @@ class StepViews:
         `held`."""
         for name, t in new.items():
             self.held_view(name).copy_(t)
-        self.hold(layer)
+        self.phase = "held"
 
-    def held_view(self, name: str) -> torch.Tensor:
-        """The `n` slots of the buffer `name` ("keys", "values", "positions", "valid"), `held[name]`; compiling, a
-        view made in the graph (as `slot_n`)."""
+    def held_view(self, name) -> torch.Tensor:
+        """The `n` slots of the buffer `name` (as `tensor`), `held[name]`; compiling, a view made in the graph (as
+        `slot_n`)."""
         if torch.compiler.is_compiling():
             t = self.grown[name]
             return t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1)
@@ -217,11 +246,66 @@ class StepViews:
         """The position slot `n` holds: the newest token's, between steps too (a host read)."""
         return int(self.newest["positions"].flatten()[0])
 
-    def hold(self, layer) -> None:
+    def hold(self) -> None:
         """The layer's tensors become `held`: its `n` slots, between steps."""
-        self._set(layer, self.held)
+        self.phase = "held"
 
-    def _set(self, layer, views: dict) -> None:
-        layer.keys, layer.values = views["keys"], views["values"]
-        layer.positions, layer.valid = views["positions"], views["valid"]
-        layer.extra = {name: views[("extra", name)] for name in self.extra_names}
+    def current(self) -> dict:
+        """The layer's per-slot tensors in this phase, by attribute name (what it holds once these go)."""
+        return {"keys": self.tensor("keys"), "values": self.tensor("values"), "positions": self.tensor("positions"),
+                "valid": self.tensor("valid"), "extra": dict(self.extras())}
+
+
+def _slot_tensor(name: str) -> property:
+    """The layer's per-slot tensor `name`: read from its step views while they hold, else from its own home
+    (`_name`); assigned, the layer's own (`SlotTensors.replace_tensors`)."""
+    own = "_" + name
+
+    def get(layer):
+        views = layer._views
+        if views is None:
+            return getattr(layer, own)
+        return views.extras() if name == "extra" else views.tensor(name)
+
+    def put(layer, value):
+        layer.replace_tensors({name: value})
+
+    return property(get, put)
+
+
+class SlotTensors:
+    """A layer's per-slot tensors, `keys`, `values`, `positions`, `valid` and `extra` (see `KVLayer`): its own, or
+    while its step views hold (`StepViews`: from its first eviction, or its step room, until anything replaces one
+    of them), theirs. One home at a time: a compiled step then reads the views' buffers alone (its views of them
+    made in its graph, where views held as the layer's attributes would be more inputs to guard before every
+    step) and assigns no tensor (each a Python store replayed after its graph)."""
+
+    def __init__(self, *args, **kwargs):
+        self._views: StepViews | None = None
+        super().__init__(*args, **kwargs)  # (transformers' layer sets `keys` and `values` to None)
+        self._keys = self._values = self._positions = self._valid = None  # (their own homes)
+        self._extra: dict[str, torch.Tensor] = {}
+
+    keys, values, positions, valid, extra = (_slot_tensor(name) for name in
+                                             ("keys", "values", "positions", "valid", "extra"))
+
+    def replace_tensors(self, new: dict) -> None:
+        """Make `new` (attribute name to tensor, or to a dict for "extra") the layer's own per-slot tensors; its
+        step views, while they hold, are let go first (what they held becomes the layer's own)."""
+        if self._views is not None:
+            self.settle()  # (a count made by compiled steps is read from the views)
+            own, self._views = self._views.current(), None
+            new = {**own, **new}
+        for name, value in new.items():
+            setattr(self, "_" + name, value)
+
+    def adopt(self, views: StepViews) -> None:
+        """`views` (made of the layer's current tensors) become its per-slot tensors, which have no other home."""
+        self._views = views
+        self._keys = self._values = self._positions = self._valid = None
+        self._extra = {}
+
+    def tensors(self):
+        yield from super().tensors()
+        if self._views is not None:  # (the views' buffers: what they hold in memory)
+            yield from tensors_in(self._views.grown)

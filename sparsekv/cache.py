@@ -209,7 +209,7 @@ class SparseCache(CacheCopies, RowState, Cache):
             return forward.masks[layout]
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
-        past = layer.past_valid()
+        past = layer.valid  # (compiling, a view of its buffer made in the graph: `StepViews.tensor`)
         mask = physical_mask(past[:, 0] if layer.heads_agree else past, new_valid, module.config._attn_implementation,
                              hidden.dtype, query_groups(module))
         if layout is not None:
@@ -225,9 +225,9 @@ class SparseCache(CacheCopies, RowState, Cache):
         if not self.press.reads_step_queries:  # kept for `ctx.queries()` only
             return
         layer = ctx.layer
-        slots, valid = layer.slots, layer.valid
+        slots, views, valid = layer.slots, layer._views, layer._valid  # (its step views, or its own validity)
         self.press.on_queries(ctx)
-        if layer.slots != slots or layer.valid is not valid:  # the mask was built for this layout
+        if layer.slots != slots or layer._views is not views or layer._valid is not valid:  # (the mask's layout)
             raise RuntimeError(f"{type(self.press).__name__}.on_queries changed layer {layer_idx}'s slots or their "
                                "validity after its mask was built; rewrite what slots hold, not how many there are.")
 

@@ -55,7 +55,8 @@ class Context:
     @property
     def extra(self) -> dict[str, torch.Tensor]:
         """The press's per-slot tensors `(batch, kv_heads, slots)` by name, which follow their slots when the core
-        keeps, evicts or reorders them (H2O's received attention): a press writes them in place or anew."""
+        keeps, evicts or reorders them (H2O's received attention): a press makes them at the prompt and writes them
+        in place while decoding (a step refuses one replaced, or added, there)."""
         return self.layer.extra
 
     # --- the attention call: queries and attention on demand ----------------------------------------------------

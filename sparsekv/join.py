@@ -115,8 +115,8 @@ def padded_to_widest(layers: list) -> list:
 
         twin = copy.copy(layer)
         vars(twin).update(
-            keys=grown(layer.keys, 0), values=grown(layer.values, 0), positions=grown(layer.positions, 0),
-            valid=grown(layer.valid, False), extra={n: grown(t, 0) for n, t in layer.extra.items()},
+            _keys=grown(layer.keys, 0), _values=grown(layer.values, 0), _positions=grown(layer.positions, 0),
+            _valid=grown(layer.valid, False), _extra={n: grown(t, 0) for n, t in layer.extra.items()},
             compressed=compressed, all_valid=all_valid, heads_agree=heads_agree, _views=None)
         twin.fillers_added(slots - layer.slots)
         copies.append(twin)

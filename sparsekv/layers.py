@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .buffers import StepViews, allocated, append_in_place, first_true, slot_dim
+from .buffers import SlotTensors, StepViews, allocated, append_in_place, first_true, slot_dim
 from .join import padded_to_widest
 from .state import RowState, padded
 
 
-class KVLayer(RowState, CacheLayerMixin):
+class KVLayer(SlotTensors, RowState, CacheLayerMixin):
     """One attention layer's resident KV.
 
     Attributes:
@@ -40,7 +40,7 @@ class KVLayer(RowState, CacheLayerMixin):
     The per-slot tensors may be prefix views of buffers with free slots (see `_append`); presses may replace
     them with new tensors (`select`) or write into them in place, never keep views of them across steps. A layer
     that evicts one token a step (`evict`) holds as many slots after every step: its steps write and scatter
-    through views made once (`StepViews`), while nothing else replaces its tensors.
+    through views made once (`StepViews`), which are its tensors until anything replaces one (`SlotTensors`).
     """
 
     is_sliding = False
@@ -49,11 +49,6 @@ class KVLayer(RowState, CacheLayerMixin):
 
     def __init__(self):
         super().__init__()
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None
-        self.extra: dict[str, torch.Tensor] = {}
         self._seen = 0  # `logical_len` as counted on the host
         self._counted_on_device = False  # compiled steps counted tokens since (`count_step`)
         self.compressed = False
@@ -64,7 +59,6 @@ class KVLayer(RowState, CacheLayerMixin):
         # decoding too (`context.hold_budget`); None: each row's budget, on every head (`SparseCache.budgets`).
         self.budgets: torch.Tensor | None = None
         self.largest_budget: int | None = None
-        self._views: StepViews | None = None  # an evicting layer's step views (`evict`), while they hold
 
     @property
     def logical_len(self) -> int:
@@ -112,6 +106,8 @@ class KVLayer(RowState, CacheLayerMixin):
         b, h, q, _ = key_states.shape
         if self.steps_in_place(q, valid):
             return self._views.write(self, key_states, value_states)
+        if self._views is not None:
+            self.replace_tensors({})
         self._append("keys", key_states)
         self._append("values", value_states)
         self._append("positions", self.logical_len if q == 1 else torch.arange(
@@ -139,15 +135,15 @@ class KVLayer(RowState, CacheLayerMixin):
         return per_head(valid, h)
 
     def _append(self, name: str, new: torch.Tensor | int | bool, where: dict | None = None) -> None:
-        """Append `new` along the slot dimension of the tensor `name` (an attribute, or a key of `where`); a
-        Python scalar is one new slot holding that value.
+        """Append `new` along the slot dimension of the tensor `name` (a per-slot tensor of the layer's own, or a
+        key of `where`); a Python scalar is one new slot holding that value.
 
         New slots are written in place into the free room behind the tensor when it has some; else (prompt, or
         after `select` made a new tensor) it moves to a buffer with `GROW` free slots, so that decoding copies a
         layer's KV once every `GROW` steps instead of at every step (as `torch.cat` does). A forward with gradients,
         or one `torch.compile` traces, concatenates.
         """
-        holder = vars(self) if where is None else where
+        holder, name = (vars(self), "_" + name) if where is None else (where, name)
         current = holder[name]
         dim = slot_dim(current)
         # Differentiable: no in-place writes. Compiling: dynamo cannot read the room behind a tensor (its storage).
@@ -198,14 +194,12 @@ class KVLayer(RowState, CacheLayerMixin):
         elif heads_agree is None:
             heads_agree = bool((valid == valid[:, :1]).all())
         gather = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
-        self.keys, self.values = gather(self.keys), gather(self.values)
-        self.positions = self.positions.gather(-1, idx)
-        self.extra = {name: t.gather(-1, idx) for name, t in self.extra.items()}
-        self.valid = valid.contiguous()
+        self.replace_tensors({"keys": gather(self.keys), "values": gather(self.values),
+                              "positions": self.positions.gather(-1, idx), "valid": valid.contiguous(),
+                              "extra": {name: t.gather(-1, idx) for name, t in self.extra.items()}})
         self.all_valid = bool(valid.all())
         self.heads_agree = heads_agree
         self.compressed = True
-        self._views = None  # (they view the tensors replaced)
 
     def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int, keep_new: bool = False
                     ) -> None:
@@ -251,8 +245,9 @@ class KVLayer(RowState, CacheLayerMixin):
         self.extra = {name: grown(t, 0) for name, t in self.extra.items()}
         if free:
             self.compressed, self.all_valid = True, False
-        self._views = StepViews(self)
-        self._views.hold(self)
+        views = StepViews(self)
+        views.hold()
+        self.adopt(views)
 
     def free_slots(self) -> int:
         """Free (filler) slots of the row that has fewest (a host read)."""
@@ -280,13 +275,6 @@ class KVLayer(RowState, CacheLayerMixin):
         self.evict(slot)
         return slot
 
-    def past_valid(self) -> torch.Tensor:
-        """`valid`, for a mask built before a step's token is in: compiling, read through the step views' buffer
-        (`StepViews.held_view`), so that the graph takes the buffer alone, not a view of it besides."""
-        if self._views is not None and torch.compiler.is_compiling() and self._views.held_by(self):
-            return self._views.held_view("valid")
-        return self.valid
-
     def victims(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
         """`(batch, heads)` the slot of each row and head to evict: its lowest-`scores` real token; where the head
         holds no more real tokens than its budget (`budgets` `(batch,)` or `(batch, heads)`: a prompt kept whole,
@@ -304,7 +292,8 @@ class KVLayer(RowState, CacheLayerMixin):
         reuse = not self.keys.requires_grad  # a forward with gradients reads no view made before these writes
         # (a filler victim holds the newest token from now on, valid; a real one is valid already)
         views.evict(self, victim[..., None], reuse, validity=not self.all_valid)
-        self._views = views if reuse else None
+        if reuse and self._views is not views:
+            self.adopt(views)
         self.compressed = True
 
     @classmethod
@@ -339,8 +328,7 @@ class KVLayer(RowState, CacheLayerMixin):
         return 0 if self.keys is None else self.keys.shape[-2]
 
     def map_rows(self, fn, batch: int) -> None:
-        self.settle()
-        self._views = None  # they view the tensors about to be replaced
+        self.replace_tensors({})  # (the step views view the tensors about to be replaced)
         super().map_rows(fn, batch)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

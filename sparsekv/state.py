@@ -31,7 +31,12 @@ class RowState:
         """Replace every per-row tensor `t` (batch first, `batch` rows) by `fn(t)`, recursively."""
         for name, value in list(vars(self).items()):
             if name not in self.shared_state:
-                setattr(self, name, _map(value, fn, batch, f"{type(self).__name__}.{name}"))
+                setattr(self, name, _map(value, fn, batch, f"{type(self).__name__}.{self._public(name)}"))
+
+    def _public(self, name: str) -> str:
+        """The name users read attribute `name` by: a property's, where the attribute is its home (`_keys`)."""
+        return name[1:] if name.startswith("_") and isinstance(getattr(type(self), name[1:], None), property) \
+            else name
 
     @classmethod
     def joined(cls, states: list[RowState]) -> RowState:
@@ -42,7 +47,7 @@ class RowState:
         out = object.__new__(type(first))
         for name, value in vars(first).items():
             values = [vars(state)[name] for state in states]
-            where = f"{type(first).__name__}.{name}"
+            where = f"{type(first).__name__}.{first._public(name)}"
             vars(out)[name] = value if name in first.shared_state else _join(values, where)
         return out
 
@@ -54,7 +59,7 @@ class RowState:
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor held (per row or shared), recursively: what memory accounting counts."""
         for value in vars(self).values():
-            yield from _tensors(value)
+            yield from tensors_in(value)
 
 
 def padded(t: torch.Tensor, dim: int, size: int, fill, at: int | None = None) -> torch.Tensor:
@@ -116,17 +121,18 @@ def _join(values: list, where: str):
     return first
 
 
-def _tensors(value) -> Iterator[torch.Tensor]:
+def tensors_in(value) -> Iterator[torch.Tensor]:
+    """Every tensor in `value`: a tensor, a `RowState`, or dicts, lists and tuples of them, recursively."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, RowState):
         yield from value.tensors()
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 def row_index(fn_name: str, arg) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -165,7 +165,7 @@ class StoreLayer(KVLayer):
         if not self.records_tokens:
             return super().keep_step_token(slot)
         if self._views is not None and self._views.grown_by(self):
-            self._views.hold(self)  # the token is in the store, where the next step's working set reads it
+            self._views.hold()  # the token is in the store, where the next step's working set reads it
         return None
 
     def gather_in_place(self, slots: torch.Tensor, valid: torch.Tensor) -> None:
@@ -222,8 +222,7 @@ class StoreLayer(KVLayer):
         n)`: which of them are real; `all_valid`: whether every one is, when the caller knows (else read from
         `valid`, a wait on a GPU). `slots` None: every token seen (`valid` `(batch, seen)`), at its position, as
         before the first selection: views of the store, no copy (a store that records every token)."""
-        self.settle()  # (a count made by compiled steps is read from the views)
-        self._views = None  # (they view the tensors replaced)
+        self.replace_tensors({})  # (the step views view the tensors replaced)
         b, h = self.store_keys.shape[:2]
         if slots is None:
             self._view_store()

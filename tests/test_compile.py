@@ -191,22 +191,36 @@ def test_generate_compiles_the_decoding_steps(press, batch):
 
 @pytest.mark.parametrize("press", COMPILED[:3], ids=label)
 @torch.no_grad()
-def test_a_compiled_step_takes_no_index_tensor_as_an_input(press):
-    """A compiled step makes the indices of its writes (slot n, each row and head) in its graph, from its buffers'
-    static sizes: none of the tensors an eager step uses for them is an input of the graph, where each would be one
-    more tensor dynamo guards before every step."""
+def test_a_compiled_step_guards_each_layers_buffers_alone(press):
+    """The tensors dynamo guards before every compiled step, of each layer, are its step views' buffers: no view of
+    them held as the layer's tensors (they are made in the graph), and no index of its writes (slot n, each row and
+    head, made in the graph from the buffers' static sizes) among the graph's inputs."""
     model = make_model("llama")
-    inputs = []
+    inputs, guards = [], []
     config = counting_config(addresses=inputs)
+    logger = logging.getLogger("torch._dynamo.guards.__guards")
+    handler = logging.Handler()
+    handler.emit = lambda record: guards.append(record.getMessage())
     torch._dynamo.reset()
+    torch._logging.set_logs(guards=True)
+    logger.addHandler(handler)
     try:
         with press(model):
             cache = compiled_cache(model, press)
             greedy(model, prompt(64), None, new=4, cache=cache, compile_config=config)
     finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
         torch._dynamo.reset()
     indices = {t.untyped_storage().data_ptr() for layer in cache.compressed_layers() for t in layer._views._indices}
     assert inputs and indices and not indices & set(inputs)
+    guarded = re.findall(r"check_tensor\(L\['kwargs'\]\['cache'\]\.layers\[(\d+)\](.*?), Tensor,", "\n".join(guards))
+    layers = cache.compressed_layers()
+    assert guarded and {i for i, _ in guarded} == {str(cache.layers.index(layer)) for layer in layers}
+    buffers = {f"._views.grown[{name!r}]" for name in ("keys", "values", "positions", "valid")} | {
+        f"._views.grown[('extra', {name!r})]" for name in layers[0].extra}
+    assert {source for _, source in guarded} == buffers
+    assert len(guarded) == len(buffers) * len(layers)
 
 
 @pytest.mark.parametrize("press", CHESS, ids=label)

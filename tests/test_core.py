@@ -369,6 +369,22 @@ def test_a_step_through_an_evicting_layers_views_decodes_as_the_general_path(nam
         assert a.keys.shape[-2] == round(0.3 * 60) and torch.equal(a.positions, b.positions)
 
 
+def test_a_per_slot_tensor_replaced_while_decoding_is_refused():
+    """While a layer's step views hold its tensors, a press writes its per-slot tensors (`ctx.extra`) in place: one
+    replaced by a new tensor would be a copy the views do not write (its next step would read it stale), so the
+    step refuses it, naming what to do."""
+
+    class Replacing(H2OPress):
+        def after_step(self, ctx):
+            ctx.extra["received"] = ctx.extra["received"] + ctx.attention().sum(dim=(2, 3))
+
+    model = make_model("llama")
+    with H2OPress(budget=20, window_size=1)(model):
+        greedy(model, prompt(40), None, new=6)  # (in place: it decodes)
+    with Replacing(budget=20, window_size=1)(model), pytest.raises(RuntimeError, match=r"write it in place"):
+        greedy(model, prompt(40), None, new=6)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_steps_queries_are_the_models_own(arch):
     """A decoding step's queries, shaped from the captured projection (`shape_queries`), are the model's own:
