@@ -211,7 +211,7 @@ class StepViews:
             if name != "valid" or validity:
                 self.grown[name].index_put_(at, token.clone() if compiling else token)
         if reuse:
-            self.phase = "held"
+            self.hold()
         else:
             held = {k: t.narrow(slot_dim(t), 0, t.shape[slot_dim(t)] - 1) for k, t in self.grown.items()}
             layer.replace_tensors({**{k: held[k] for k in ("keys", "values", "positions", "valid")},
@@ -232,7 +232,7 @@ class StepViews:
         `held`."""
         for name, t in new.items():
             self.held_view(name).copy_(t)
-        self.phase = "held"
+        self.hold()
 
     def held_view(self, name) -> torch.Tensor:
         """The `n` slots of the buffer `name` (as `tensor`), `held[name]`; compiling, a view made in the graph (as
