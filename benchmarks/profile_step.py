@@ -8,6 +8,15 @@ ops cost their launch, not their arithmetic, and only fewer ops make it faster.
         --length 32768 --presses snapkv,streamingllm
 
 `--diff` lists, per press, the ops whose host time of their own a step exceeds the oracle's the most.
+`--compiled` profiles compiled steps instead (each press with `compile=True`, the oracle over transformers' static
+cache, generate's steps from its 8th token on): beside the wall time, the guard check before each step (dynamo's
+cache lookup) and the host time of the step's graphs; with `--diff`, the code inductor generates for them as one
+row. The guard check and that code are what a press adds to a compiled step on a host-bound shape, and they hold
+steadier between runs than wall time does (docs/compiled.md).
+
+    python -m benchmarks.profile_step --shape host-bound --tokenizer TOKENIZER_DIR --device cpu --dtype float32 \\
+        --length 4096 --compiled --steps 32 --presses streamingllm,snapkv,h2o --diff
+
 `--python N` also profiles the same steps with cProfile and lists the N functions with the most time of their own
 (Python, and the C functions it calls): where a step's host time goes that no aten op shows (hooks, dispatch in
 sparsekv's own code, CUDA driver queries).
@@ -18,12 +27,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import io
 import pstats
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from transformers import CompileConfig, StaticCache
 
 from sparsekv.evaluation.presses import make_press
 from sparsekv.presses.registry import split_specs
@@ -78,6 +89,70 @@ def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int, pytho
     return row, "\n".join(tables) + python_table
 
 
+class ProfiledSteps:
+    """A generate streamer that profiles `steps` decoding steps from the `start`th token on and times them."""
+
+    def __init__(self, start: int, steps: int, device: torch.device):
+        self.start, self.steps, self.device, self.tokens, self.times, self.prof = start, steps, device, 0, [], None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.tokens += 1
+        sync(self.device)
+        if self.tokens == self.start:
+            self.prof = profile(activities=[ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
+            self.prof.__enter__()
+        if self.start <= self.tokens <= self.start + self.steps:
+            self.times.append(time.perf_counter())
+        if self.tokens == self.start + self.steps:
+            self.prof.__exit__(None, None, None)
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def profile_compiled(model, ids: torch.Tensor, press, steps: int, top: int) -> tuple[dict, str]:
+    """Generate greedily twice (the first compiles), then profile `steps` compiled steps of a third generation:
+    under `press` made with `compile=True`, or, with `press` None, the full cache of `ids` in transformers'
+    static cache."""
+    config = CompileConfig()
+    config._compile_all_devices = True  # transformers compiles on a GPU only, unless told
+    start, new = 8, 8 + steps + 1
+
+    def generate(streamer=None):
+        cache = None if press else StaticCache(config=model.config, max_cache_len=ids.shape[1] + new)
+        with dataclasses.replace(press, compile=True)(model) if press else contextlib.nullcontext():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, cache=cache, compile_config=config, streamer=streamer,
+                           pad_token_id=0)
+
+    generate(), generate()
+    streamer = ProfiledSteps(start, steps, ids.device)
+    generate(streamer)
+    events = streamer.prof.key_averages()
+    gaps = sorted(b - a for a, b in zip(streamer.times, streamer.times[1:]))
+
+    def per_step(match) -> float:  # ms a step, host time: the events whose name `match` accepts
+        return sum(e.cpu_time_total for e in events if match(e.key)) / 1000 / steps
+
+    row = {"wall_ms": gaps[len(gaps) // 2] * 1000,
+           "guard_ms": per_step(lambda key: key == "TorchDynamo Cache Lookup"),
+           "graphs_ms": per_step(lambda key: key.startswith("Torch-Compiled Region")),
+           "graphs": sum(e.count for e in events if e.key.startswith("Torch-Compiled Region")) / steps,
+           "ops": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+           "per_op": {}}
+    for e in events:  # a graph's events are named by its hash: one name for all, so that --diff compares them
+        key = GRAPH_NAMES.get(e.key.split()[2] if e.key.startswith("## Call") else e.key.split(":")[0], e.key)
+        calls, ms = row["per_op"].get(key, (0, 0.0))
+        row["per_op"][key] = (calls + e.count / steps, ms + e.self_cpu_time_total / 1000 / steps)
+    return row, events.table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+GRAPH_NAMES = {"CompiledFxGraph": "compiled graphs (inductor's code, beside the aten ops they call)",
+               "Torch-Compiled Region": "compiled regions (their own host time)"}
+
+
 def op_differences(press: dict, oracle: dict, top: int) -> list[dict]:
     """The `top` ops whose host time of their own per step (ms) exceeds the oracle's the most: calls and ms a
     step against the oracle's (ops the model runs either way cancel out, what is left is the press's)."""
@@ -102,8 +177,12 @@ def main(argv=None) -> None:
         "exceeds the oracle's the most (--top of them)")
     add("--python", type=int, default=0, metavar="N", help="also profile the steps with cProfile and list its N "
         "functions with the most time of their own (default: none)")
+    add("--compiled", action="store_true", help="profile compiled steps (each press with compile=True, the "
+        "oracle in transformers' static cache) through generate")
     args = parser.parse_args(argv)
     model, tokenizer, model_name = load_from_arguments(args, *model_placement(args))
+    if args.compiled:
+        return main_compiled(args, model, tokenizer, model_name)
     ids = needle_prompt(tokenizer, args.length).to(model.device).expand(args.batch, -1)
     configs = {"oracle": (ids[:, -round(args.ratio * args.length):], contextlib.nullcontext())}
     for spec in split_specs(args.presses):
@@ -123,6 +202,33 @@ def main(argv=None) -> None:
     print(format_table(rows, [("config", "config", ""), ("wall ms", "wall_ms", ".2f"),
                               ("device busy ms", "device_ms", ".2f"), ("aten ops", "ops", ".0f"),
                               ("kernels", "kernels", ".0f")]))
+
+
+def main_compiled(args, model, tokenizer, model_name) -> None:
+    ids = needle_prompt(tokenizer, args.length).to(model.device).expand(args.batch, -1)
+    configs = {"oracle": (ids[:, -round(args.ratio * args.length):], None)}
+    for spec in split_specs(args.presses):
+        configs[spec] = (ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer))
+    rows, per_op = [], {}
+    for name, (prompt, press) in configs.items():
+        row, table = profile_compiled(model, prompt, press, args.steps, args.top)
+        per_op[name] = row.pop("per_op")
+        rows.append({"config": name, **row})
+        print(f"\n== {name} compiled\n{table}")
+    oracle = rows[0]
+    for row in rows:
+        row["host_ratio"] = (row["guard_ms"] + row["graphs_ms"]) / (oracle["guard_ms"] + oracle["graphs_ms"])
+    if args.diff:
+        for name in list(configs)[1:]:
+            print(f"\n{name} compiled against the compiled oracle, per step: ops with the most extra host time")
+            print(format_table(op_differences(per_op[name], per_op["oracle"], args.top),
+                               [("op", "op", ""), ("extra calls", "calls", "+.1f"), ("extra ms", "ms", "+.3f")]))
+    print(f"\n{model_name}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}, compiled: per step "
+          f"(host ms: profiled, {args.steps} steps)")
+    print(format_table(rows, [("config", "config", ""), ("wall ms", "wall_ms", ".2f"),
+                              ("guard check ms", "guard_ms", ".2f"), ("graphs ms", "graphs_ms", ".2f"),
+                              ("graphs", "graphs", ".0f"), ("aten ops", "ops", ".0f"),
+                              ("(guards + graphs) / oracle's", "host_ratio", ".3f")]))
 
 
 if __name__ == "__main__":
