@@ -62,10 +62,11 @@ class StepClock:
         return [b - a for a, b in itertools.pairwise(arrived)][warmup:]
 
 
-def generation(model, ids: torch.Tensor, new: int, cache=None, compile_config=None) -> tuple[StepClock, float,
-                                                                                            torch.Tensor]:
-    """One greedy generation of `new` tokens: its step clock, its seconds and its tokens."""
-    clock = StepClock(ids.device)
+def generation(model, ids: torch.Tensor, new: int, cache=None, compile_config=None,
+               clock: StepClock | None = None) -> tuple[StepClock, float, torch.Tensor]:
+    """One greedy generation of `new` tokens: its step clock (`clock`, or a new one), its seconds and its
+    tokens."""
+    clock = clock or StepClock(ids.device)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                          do_sample=False, cache=cache, compile_config=compile_config, streamer=clock,
@@ -75,23 +76,23 @@ def generation(model, ids: torch.Tensor, new: int, cache=None, compile_config=No
 
 def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new: int, config: CompileConfig,
                    tokenizer=None):
-    """Per configuration name, a function that runs one generation of it: `(step clock, seconds, tokens)`;
-    `tokenizer`: for presses that read text (SentenceKV)."""
+    """Per configuration name, a function that runs one generation of it, timed by the step clock it is given
+    (or a new one): `(step clock, seconds, tokens)`; `tokenizer`: for presses that read text (SentenceKV)."""
     oracle_ids = ids[:, -max(1, round(ratio * ids.shape[1])):]
     runs = {
-        "oracle eager": lambda: generation(model, oracle_ids, new),
-        "oracle compiled": lambda: generation(
+        "oracle eager": lambda clock=None: generation(model, oracle_ids, new, clock=clock),
+        "oracle compiled": lambda clock=None: generation(
             model, oracle_ids, new, StaticCache(config=model.config, max_cache_len=oracle_ids.shape[1] + new),
-            config),
+            config, clock),
     }
     for spec in specs:
-        def run(spec=spec, compiled=False):
+        def run(clock=None, spec=spec, compiled=False):
             press = make_press(spec, ratio=ratio, tokenizer=tokenizer)
             with dataclasses.replace(press, compile=compiled)(model):  # (room: generate's)
-                return generation(model, ids, new, None, config if compiled else None)
+                return generation(model, ids, new, None, config if compiled else None, clock)
 
         runs[f"{spec} eager"] = run
-        runs[f"{spec} compiled"] = lambda run=run: run(compiled=True)
+        runs[f"{spec} compiled"] = lambda clock=None, run=run: run(clock, compiled=True)
     return runs
 
 

@@ -27,19 +27,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import dataclasses
 import io
 import pstats
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import CompileConfig, StaticCache
+from transformers import CompileConfig
 
 from sparsekv.evaluation.presses import make_press
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
 
+from . import compiled_decode
+from .compiled_decode import StepClock
 from .decode_vs_oracle import needle_prompt
 from .random_models import load_from_arguments, model_arguments, model_placement
 
@@ -89,49 +90,34 @@ def profile_steps(model, ids: torch.Tensor, context, steps: int, top: int, pytho
     return row, "\n".join(tables) + python_table
 
 
-class ProfiledSteps:
-    """A generate streamer that profiles `steps` decoding steps from the `start`th token on and times them."""
+class ProfiledSteps(StepClock):
+    """A step clock that also profiles the `steps` decoding steps from the `start`th token on."""
 
     def __init__(self, start: int, steps: int, device: torch.device):
-        self.start, self.steps, self.device, self.tokens, self.times, self.prof = start, steps, device, 0, [], None
+        super().__init__(device)
+        self.start, self.steps, self.prof = start, steps, None
 
     def put(self, value: torch.Tensor) -> None:
-        self.tokens += 1
-        sync(self.device)
-        if self.tokens == self.start:
+        super().put(value)
+        if len(self.times) == self.start:
             self.prof = profile(activities=[ProfilerActivity.CPU] + (
                 [ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
             self.prof.__enter__()
-        if self.start <= self.tokens <= self.start + self.steps:
-            self.times.append(time.perf_counter())
-        if self.tokens == self.start + self.steps:
+        if len(self.times) == self.start + self.steps:
             self.prof.__exit__(None, None, None)
 
-    def end(self) -> None:
-        pass
+
+FIRST_PROFILED = 8  # the streamer's put (the prompt's is the first) after which a compiled step is profiled
 
 
-@torch.no_grad()
-def profile_compiled(model, ids: torch.Tensor, press, steps: int, top: int) -> tuple[dict, str]:
-    """Generate greedily twice (the first compiles), then profile `steps` compiled steps of a third generation:
-    under `press` made with `compile=True`, or, with `press` None, the full cache of `ids` in transformers'
-    static cache."""
-    config = CompileConfig()
-    config._compile_all_devices = True  # transformers compiles on a GPU only, unless told
-    start, new = 8, 8 + steps + 1
-
-    def generate(streamer=None):
-        cache = None if press else StaticCache(config=model.config, max_cache_len=ids.shape[1] + new)
-        with dataclasses.replace(press, compile=True)(model) if press else contextlib.nullcontext():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, cache=cache, compile_config=config, streamer=streamer,
-                           pad_token_id=0)
-
-    generate(), generate()
-    streamer = ProfiledSteps(start, steps, ids.device)
-    generate(streamer)
-    events = streamer.prof.key_averages()
-    gaps = sorted(b - a for a, b in zip(streamer.times, streamer.times[1:]))
+def profile_compiled(run, device: torch.device, steps: int, top: int) -> tuple[dict, str]:
+    """Run a compiled configuration's generation (a function of `compiled_decode.configurations`, of at least
+    `FIRST_PROFILED + steps` new tokens) twice, the first compiling, then profile `steps` steps of a third."""
+    run(), run()
+    clock, _, _ = run(ProfiledSteps(FIRST_PROFILED, steps, device))
+    events = clock.prof.key_averages()
+    profiled = clock.times[FIRST_PROFILED - 1:FIRST_PROFILED + steps]
+    gaps = sorted(b - a for a, b in zip(profiled, profiled[1:]))
 
     def per_step(match) -> float:  # ms a step, host time: the events whose name `match` accepts
         return sum(e.cpu_time_total for e in events if match(e.key)) / 1000 / steps
@@ -206,12 +192,14 @@ def main(argv=None) -> None:
 
 def main_compiled(args, model, tokenizer, model_name) -> None:
     ids = needle_prompt(tokenizer, args.length).to(model.device).expand(args.batch, -1)
-    configs = {"oracle": (ids[:, -round(args.ratio * args.length):], None)}
-    for spec in split_specs(args.presses):
-        configs[spec] = (ids, make_press(spec, ratio=args.ratio, tokenizer=tokenizer))
+    config = CompileConfig()
+    config._compile_all_devices = True  # (transformers compiles on a GPU only, unless told)
+    specs = split_specs(args.presses)
+    runs = compiled_decode.configurations(model, ids, specs, args.ratio, FIRST_PROFILED + args.steps, config,
+                                          tokenizer)
     rows, per_op = [], {}
-    for name, (prompt, press) in configs.items():
-        row, table = profile_compiled(model, prompt, press, args.steps, args.top)
+    for name in ["oracle", *specs]:
+        row, table = profile_compiled(runs[f"{name} compiled"], model.device, args.steps, args.top)
         per_op[name] = row.pop("per_op")
         rows.append({"config": name, **row})
         print(f"\n== {name} compiled\n{table}")
@@ -219,7 +207,7 @@ def main_compiled(args, model, tokenizer, model_name) -> None:
     for row in rows:
         row["host_ratio"] = (row["guard_ms"] + row["graphs_ms"]) / (oracle["guard_ms"] + oracle["graphs_ms"])
     if args.diff:
-        for name in list(configs)[1:]:
+        for name in specs:
             print(f"\n{name} compiled against the compiled oracle, per step: ops with the most extra host time")
             print(format_table(op_differences(per_op[name], per_op["oracle"], args.top),
                                [("op", "op", ""), ("extra calls", "calls", "+.1f"), ("extra ms", "ms", "+.3f")]))
