@@ -76,6 +76,19 @@ def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return found
 
 
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that makes the model's logits (`lm_head`), None when the model has none."""
+    getter = getattr(model, "get_output_embeddings", None)
+    return getter() if getter is not None else None
+
+
+def head_logits(model: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+    """The model's logits from its output head's `output`: capped as the model caps them after the head (Gemma 2
+    and 3's `final_logit_softcapping`)."""
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    return output if cap is None else torch.tanh(output / cap) * cap
+
+
 def compressed_layers(config) -> list[int]:
     """Indices of the layers a press compresses: the full-attention ones."""
     types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))

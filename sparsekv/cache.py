@@ -20,8 +20,11 @@ each hands the press one `Context` (`sparsekv.context`), made once per layer and
 4. transformers calls `update` (new tokens appended), and attention runs.
 5. `after_layer`, after its attention: the press's `compress` (the prompt), or its `after_step` and then the
    core's eviction by its `score_step` where a row is over its budget (later forwards).
-6. `end_forward`, after the model, with its logits: the press's `end_forward` (CHESS's uncertainty trigger);
-   the `Forward` is closed.
+6. `after_head`, at the model's output head, with its logits (presses that read them): the press's
+   `end_forward` (CHESS's uncertainty trigger and selection), inside the forward, so that a compiled step's one
+   graph holds it.
+7. `end_forward`, after the model: the `Forward` is closed (and the press given the logits if no output head
+   gave them). Host work only, run eagerly.
 
 Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batch_repeat_interleave`), `crop`,
 `reset` and `deepcopy` are written once here over `RowState`s (`sparsekv.state`), for every press.
@@ -271,10 +274,19 @@ class SparseCache(CacheCopies, RowState, Cache):
         if start is not None:
             self.seconds[kind] += time.perf_counter() - start
 
+    def after_head(self, logits: torch.Tensor) -> None:
+        """At the model's output head, inside its forward (a compiled step's graph holds it): the press's
+        `end_forward` with the forward's next-token `logits` `(batch, q, vocab)`, once a forward."""
+        if self.forward is None or self.forward.logits_read:
+            return
+        self.forward.logits_read = True  # (before the press: see `CHESSPress.end_forward`)
+        self.press.end_forward(Context(self, logits=logits))
+
     def end_forward(self, logits: torch.Tensor | None) -> None:
-        """After the model, with its next-token `logits` `(batch, q, vocab)` (None if it returned none)."""
-        if logits is not None:
-            self.press.end_forward(Context(self, logits=logits))
+        """After the model, with its next-token `logits` `(batch, q, vocab)` (None if it returned none): the
+        press's `end_forward` if the output head did not give them (`after_head`), then the forward closes."""
+        if logits is not None and self.press.reads_logits:
+            self.after_head(logits)
         if self.pieces is not None and not self.forward.pieces_left:
             self.pieces = None  # the prompt is read and compressed
         if self.compiled and (self.forward.first or self.forward.q_len > 1) and not self.forward.pieces_left:

@@ -55,6 +55,7 @@ class Forward:
     masks: dict[int, Any] = field(default_factory=dict)
     step_slots: dict[int, torch.Tensor] = field(default_factory=dict)
     pieces_left: int = 0  # a piece of a prompt read in pieces: how many follow (`PromptPieces`)
+    logits_read: bool = False  # the press's `end_forward` has had the logits (`SparseCache.after_head`)
 
 
 def check_inputs(cache, input_ids: torch.Tensor | None, unreadable: bool, q_len: int, batch: int, first: bool,

@@ -1,9 +1,10 @@
 """Installing a press on a model: forward hooks that hand each event of a forward to its cache, no patching.
 
 The hooks hold no state of a generation: they find the generation's `SparseCache` in the forward's arguments
-and call its driver (`SparseCache.begin_forward`, `before_layer`, `after_queries`, `after_layer`,
-`end_forward`). The query projection's hook sees no cache argument; it reads the cache of the forward running in
-its own thread (a thread-local of the installation), so concurrent generations on one model never meet.
+and call its driver (`SparseCache.begin_forward`, `before_layer`, `after_queries`, `after_layer`, `after_head`,
+`end_forward`). The query projection's and the output head's hooks see no cache argument; they read the cache of
+the forward running in their own thread (a thread-local of the installation), so concurrent generations on one
+model never meet.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from functools import partial
 import torch
 from transformers import StaticCache
 
-from .architectures import check_model
+from .architectures import check_model, head_logits, output_head
 from .attention import query_projection
 from .cache import KEEP_MASK, SparseCache
 from .generation import (
@@ -76,6 +77,9 @@ def install(press, model: torch.nn.Module):
     try:
         handles.append(model.register_forward_pre_hook(partial(_before_model, inst), with_kwargs=True))
         handles.append(model.register_forward_hook(partial(_after_model, inst), with_kwargs=True))
+        head = output_head(model) if press.reads_logits else None
+        if head is not None:  # inside the model's forward: a compiled step's graph holds the press's end_forward
+            handles.append(head.register_forward_hook(partial(_after_head, inst)))
         for module in targets:
             handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
@@ -145,6 +149,7 @@ def _before_model(inst: Installation, module, args, kwargs):
     return args, kwargs
 
 
+@torch.compiler.disable  # host work only: a frame of its own would be guarded at every compiled step
 @_without_grad
 def _after_model(inst: Installation, module, args, kwargs, output):
     cache, inst.running.cache = getattr(inst.running, "cache", None), None
@@ -174,6 +179,13 @@ def _before_attention(module, args, kwargs):
         return None
     kwargs["attention_mask"] = mask
     return args, kwargs
+
+
+@_without_grad
+def _after_head(inst: Installation, module, args, output):
+    cache = getattr(inst.running, "cache", None)
+    if cache is not None and torch.is_tensor(output):
+        cache.after_head(head_logits(inst.model, output))
 
 
 @_without_grad

@@ -76,10 +76,11 @@ class Press:
     reads_input_ids: ClassVar[bool] = False
     scores_by_position: ClassVar[bool] = False
     captures_step_queries: ClassVar[bool] = False
-    # Derived from the overrides (`__init_subclass__`), for the driver: whether it calls these three phases.
+    # Derived from the overrides (`__init_subclass__`), for the driver: whether it calls these four phases.
     selects_before_attention: ClassVar[bool] = False
     reads_step_queries: ClassVar[bool] = False
     scores_steps: ClassVar[bool] = False
+    reads_logits: ClassVar[bool] = False
     reads_prompt_in_pieces: ClassVar[bool] = False
     joins_rows: ClassVar[bool] = False
     compiled_decoding: ClassVar[bool] = False
@@ -110,6 +111,7 @@ class Press:
             setattr(cls, flag, derived)
         cls.captures_step_queries = cls.captures_step_queries or cls.reads_step_queries
         cls.scores_steps = cls.score_step is not Press.score_step
+        cls.reads_logits = cls.end_forward is not Press.end_forward
 
     def __post_init__(self):
         name = type(self).__name__

@@ -24,7 +24,7 @@ from sparsekv import (
     StreamingLLMPress,
     make_press,
 )
-from sparsekv.presses.chess import top_fraction
+from sparsekv.presses.chess_levels import top_fraction
 
 EVICTING = tuple(c for c in PRESSES if tiny_press(c).holds_budget_while_decoding())  # H2O, StreamingLLM, TOVA
 

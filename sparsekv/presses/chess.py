@@ -13,6 +13,7 @@ from ..cache import SparseCache
 from ..context import Context
 from ..press import Press
 from ..store import StoreLayer
+from .chess_levels import best, kept, masked_mean, top_covering, top_fraction
 from .chess_options import PRESETS, settle_options
 from .chess_pages import (
     CHESSState, accumulate, add_forward_keys, budget_retention, pad_columns, plan_steps, read_stores, take_back,
@@ -165,13 +166,15 @@ class CHESSPress(Press):
         """After every forward, eager or compiled, one path: the forward's keys join the page sums; after a
         prompt, or a step whose trigger fires, Algorithm 1 selects; the working context of the next forward."""
         state, cache, forward = ctx.state, ctx.cache, ctx.forward
-        state.fresh = False  # the forward's layers gathered the last context
-        if state.page_sums is None:
-            return
         first = state.selected is None
         prompt = first or forward.continues_prompt  # the first prompt or a continued one: read whole, selected for
-        # A compiled cache's step keeps its shapes and the addresses its graph holds: its state is written in place.
-        in_place = cache.compiled and not prompt
+        # A compiled cache's step keeps its shapes and the addresses its graph holds: its state is written in place,
+        # its working context gathered at every step (`fresh` stays True).
+        in_place = cache.compiled and not prompt and state.page_sums is not None
+        if not in_place:
+            state.fresh = False  # the forward's layers gathered the last context
+        if state.page_sums is None:
+            return
         start = cache.on("prompt_start", state.page_sums.device)
         layer = cache.layers[next(iter(state.columns))]  # (every compressed layer holds the same tokens)
         if first:  # its keys were summed as it was compressed (`compress`)
@@ -185,20 +188,22 @@ class CHESSPress(Press):
         else:
             state.steps += 1
             trigger = self.triggers(ctx.logits[:, -1], state.steps)
-        # Algorithm 1 in the rows whose trigger fires: a compiled step runs it and keeps the rows' choice with a
-        # `where`, reading nothing on the host; an eager one reads the trigger (its one read) and runs it if one does.
+        # Algorithm 1 when a row's trigger fires, taken in those rows: an eager step reads the trigger (its one read
+        # on the host); a compiled one branches on the device (`torch.cond`), so its graph runs Algorithm 1 only then.
+        # (No attribute is set after the branch: dynamo 2.13 drops such writes from a frame that wrote one before it.)
         reselects = self.reselect_every is not None or self.reselect != "never"
-        reselect = prompt or reselects and (in_place or bool(trigger.any()))
+        if in_place and reselects:
+            state.selected.copy_(torch.cond(trigger.any(), self.reselected, kept,
+                                            (state.page_sums, lengths, state.most, trigger, state.selected)))
+            state.selections.add_(trigger)
+        reselect = not in_place and (prompt or reselects and bool(trigger.any()))
         if reselect:
-            fresh = self.blocks_of(self.select(state.page_sums, lengths, None if prompt else state.most)[-1])
-            selected = fresh if first else torch.where(trigger[:, None], fresh, pad_columns(state.selected,
-                                                                                            fresh.shape[1]))
-            if in_place:
-                state.selected.copy_(selected)
-                state.selections.add_(trigger)
+            if first:
+                state.selected = self.blocks_of(self.select(state.page_sums, lengths)[-1])
             else:
-                state.selected = selected
-                state.selections = trigger.long() if first else state.selections + trigger
+                state.selected = self.reselected(state.page_sums, lengths, None if prompt else state.most, trigger,
+                                                 state.selected)
+            state.selections = trigger.long() if first else state.selections + trigger
         width = None  # eagerly, the widest row's context; a compiled cache's fixed one, planned after its prompt
         if cache.compiled and prompt:
             width = plan_steps(self, cache, lengths)
@@ -206,7 +211,6 @@ class CHESSPress(Press):
             width = state.context[0].shape[1] // self.page_stride
             for old, new in zip(state.context[:2], working_context(self, state.selected, lengths, start, width)):
                 old.copy_(new)
-            state.fresh = True
             return
         if not first:
             state.last_rope = ctx.plan
@@ -216,6 +220,13 @@ class CHESSPress(Press):
             state.context = working_context(self, state.selected, lengths, start, width)
             state.built_at, state.fresh = complete, True
             cache.counts["rebuilds"] += 1
+
+    def reselected(self, page_sums: torch.Tensor, lengths: torch.Tensor, most: torch.Tensor | None,
+                   trigger: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """The blocks `(batch, blocks)` selected after this forward: Algorithm 1's in the rows whose `trigger`
+        `(batch,)` fires, `selected` (the last selection, padded to the blocks there are now) in the others."""
+        fresh = self.blocks_of(self.select(page_sums, lengths, most)[-1])
+        return torch.where(trigger[:, None], fresh, pad_columns(selected, fresh.shape[1]))
 
     def triggers(self, logits: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """`(batch,)` which rows re-select after their decoding step `steps` `(batch,)`, from their next-token
@@ -356,45 +367,3 @@ class CHESSPress(Press):
         self.entropy_threshold = float(torch.cat(entropies).quantile(q))
         self.varentropy_threshold = float(torch.cat(varentropies).quantile(q))
         return self
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
-    """Mean of `x` over `dim` where `mask` (x's shape without the last dimension) is True; 0 where none is."""
-    weight = mask.to(x.dtype)[..., None]
-    return (x * weight).sum(dim) / weight.sum(dim).clamp(min=1)
-
-
-def top_fraction(scores: torch.Tensor, active: torch.Tensor, rho: float | torch.Tensor) -> torch.Tensor:
-    """Active entries at or above the `1 - rho` quantile of the active scores of their row (Algorithm 1); `rho`
-    one fraction, or one per row `(batch,)` (a budget), interpolated as `torch.quantile` does."""
-    if not isinstance(rho, torch.Tensor):
-        threshold = scores.masked_fill(~active, float("nan")).nanquantile(1 - rho, dim=-1, keepdim=True)
-        return active & (scores >= threshold)
-    ranked = scores.masked_fill(~active, float("inf")).sort(dim=-1).values  # the active ones first, ascending
-    at = ((1 - rho.to(scores.device)) * (active.sum(-1) - 1).clamp(min=0))[:, None]  # (batch, 1), fractional
-    low, high = (ranked.gather(-1, i.long().clamp(min=0)) for i in (at.floor(), at.ceil()))
-    threshold = low + (at - at.floor()).to(scores.dtype) * (high - low)
-    return active & (scores >= threshold)
-
-
-def best(scores: torch.Tensor, keep: torch.Tensor, most: torch.Tensor | None) -> torch.Tensor:
-    """The `most[row]` best-scored entries of each row of `keep` `(batch, n)` (all of them when None or when they
-    are fewer)."""
-    if most is None:
-        return keep
-    order = scores.masked_fill(~keep, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-    return keep & (order.argsort(dim=-1) < most[:, None])
-
-
-def top_covering(scores: torch.Tensor, active: torch.Tensor, budget: torch.Tensor, span: int) -> torch.Tensor:
-    """Active pages `(batch, pages)`, best first, while the blocks they cover number at most `budget` `(batch,)`
-    (page k covers blocks k ... k + span - 1; the best page at least): Algorithm 1's last level when pages overlap."""
-    b, n = scores.shape
-    order = scores.masked_fill(~active, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand(b, n))
-    rank = rank.masked_fill(~active, n)  # never taken
-    # A block is attended once the best-ranked page over it is taken: taking the pages ranked below t attends the
-    # blocks whose first rank is below t, so t is the budget-th smallest first rank (at least 1: the best page).
-    first = nn.functional.pad(rank, (span - 1, 0), value=n).unfold(1, span, 1).amin(-1)  # (b, blocks)
-    limit = first.sort(dim=-1).values.gather(-1, budget.clamp(max=n - 1)[:, None]).clamp(min=1)
-    return active & (rank < limit)

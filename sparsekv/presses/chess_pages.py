@@ -10,8 +10,8 @@ fixed width, what a row can attend (the sink, window and partial pages, and the 
 hold, `most_selected`; slots a row does not fill are masked). It is then rewritten in place and gathered anew
 (`StoreLayer.gather_in_place`) at every step, where an eager step gathers it when the window slides or a
 selection changes it and appends tokens in between: the same tokens attended, in the same order. Algorithm 1
-runs at every compiled step, taken in the rows whose trigger fires (`torch.where`); an eager step reads the
-trigger on the host and runs it only when one does."""
+runs when a row's trigger fires, taken in those rows: a compiled step branches on the device (`torch.cond`), an
+eager one reads the trigger on the host."""
 
 from __future__ import annotations
 
