@@ -485,3 +485,27 @@ def test_a_selection_holds_no_more_blocks_than_a_compiled_step_reads(options):
         sums = torch.randn(len(lengths), n_blocks, 8, generator=g)
         blocks = press.blocks_of(press.select(sums, lengths)[-1]).sum(-1)
         assert int(blocks.max()) <= most_selected(press, n_blocks), (tokens, blocks.tolist())
+
+
+@pytest.mark.parametrize("arch,cap", [("llama", None), ("gemma3", 3.0)])
+@torch.no_grad()
+def test_chess_reads_the_logits_the_model_returns(arch, cap):
+    """The trigger reads each forward's logits at the model's output head, inside the forward: those the model
+    returns, capped as Gemma 3 caps them after its head (`final_logit_softcapping`), once a forward."""
+    seen = []
+
+    class Recording(CHESSPress):
+        def end_forward(self, ctx):
+            seen.append(ctx.logits.clone())
+            super().end_forward(ctx)
+
+    model = make_model(arch, **({"final_logit_softcapping": cap} if cap else {}))
+    press = Recording(**{"page_size": B, "page_stride": B, "chunk_pages": 2, "grid_chunks": 2, "ratio": 0.5})
+    ids = prompt(40)
+    with press(model):
+        cache = press.make_cache(model)
+        out = [model(ids, cache=cache, use_cache=True).logits]
+        out.append(model(out[0][:, -1:].argmax(-1), cache=cache, use_cache=True).logits)
+    assert len(seen) == 2 and all(torch.equal(s, o) for s, o in zip(seen, out))
+    if cap is not None:
+        assert out[0].abs().max() <= cap
