@@ -230,8 +230,13 @@ class StepViews:
         """Write the `n` slots anew, in place: `new` maps "keys", "values", "positions" and "valid" to their
         contents (a working set gathered again at every step: a compiled CHESS cache's); the layer's tensors become
         `held`."""
+        # By index (`index_copy_` over the first n slots), as `write`: a copy into a view of the buffer made
+        # inductor write each layer's buffers into new ones and copy them back whole, at the end of every step.
         for name, t in new.items():
-            self.held_view(name).copy_(t)
+            buffer = self.grown[name]
+            dim = slot_dim(buffer)
+            held = torch.arange(buffer.shape[dim] - 1, device=buffer.device)
+            buffer.index_copy_(dim, held, t.expand(self.held_view(name).shape))
         self.hold()
 
     def held_view(self, name) -> torch.Tensor:
