@@ -12,7 +12,8 @@ ops cost their launch, not their arithmetic, and only fewer ops make it faster.
 cache, generate's steps from its 8th token on): beside the wall time, the guard check before each step (dynamo's
 cache lookup) and the host time of the step's graphs; with `--diff`, the code inductor generates for them as one
 row. The guard check and that code are what a press adds to a compiled step on a host-bound shape, and they hold
-steadier between runs than wall time does (docs/compiled.md).
+steadier between runs than wall time does (docs/compiled.md). The configurations are profiled in `--rounds`, each
+profiling every one once; "by round" is the median of each round's ratio to the oracle.
 
     python -m benchmarks.profile_step --shape host-bound --tokenizer TOKENIZER_DIR --device cpu --dtype float32 \\
         --length 4096 --compiled --steps 32 --presses streamingllm,snapkv,h2o --diff
@@ -29,10 +30,12 @@ import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from tqdm.auto import tqdm
 from transformers import CompileConfig
 
 from sparsekv.evaluation.presses import make_press
@@ -111,9 +114,9 @@ FIRST_PROFILED = 8  # the streamer's put (the prompt's is the first) after which
 
 
 def profile_compiled(run, device: torch.device, steps: int, top: int) -> tuple[dict, str]:
-    """Run a compiled configuration's generation (a function of `compiled_decode.configurations`, of at least
-    `FIRST_PROFILED + steps` new tokens) twice, the first compiling, then profile `steps` steps of a third."""
-    run(), run()
+    """Profile `steps` steps of a compiled configuration's generation (a function of
+    `compiled_decode.configurations`, of at least `FIRST_PROFILED + steps` new tokens), run twice before (the
+    first compiling)."""
     clock, _, _ = run(ProfiledSteps(FIRST_PROFILED, steps, device))
     events = clock.prof.key_averages()
     profiled = clock.times[FIRST_PROFILED - 1:FIRST_PROFILED + steps]
@@ -165,6 +168,8 @@ def main(argv=None) -> None:
         "functions with the most time of their own (default: none)")
     add("--compiled", action="store_true", help="profile compiled steps (each press with compile=True, the "
         "oracle in transformers' static cache) through generate")
+    add("--rounds", type=int, default=3, help="with --compiled: rounds, each profiling every configuration once "
+        "(default: %(default)s)")
     args = parser.parse_args(argv)
     model, tokenizer, model_name = load_from_arguments(args, *model_placement(args))
     if args.compiled:
@@ -197,26 +202,45 @@ def main_compiled(args, model, tokenizer, model_name) -> None:
     specs = split_specs(args.presses)
     runs = compiled_decode.configurations(model, ids, specs, args.ratio, FIRST_PROFILED + args.steps, config,
                                           tokenizer)
+    names = ["oracle", *specs]
+    for name in tqdm(names, desc="compiling", leave=False):
+        runs[f"{name} compiled"](), runs[f"{name} compiled"]()
+    # Rounds: each profiles every configuration once, so that a slow moment of the machine moves a press and the
+    # oracle alike; a round's ratio is its press's host time against its oracle's (the median reported).
+    rounds = []
+    for _ in tqdm(range(args.rounds), desc="profiling rounds", leave=False):
+        rounds.append({name: profile_compiled(runs[f"{name} compiled"], model.device, args.steps, args.top)
+                       for name in names})
+    for name in names:
+        print(f"\n== {name} compiled (last round)\n{rounds[-1][name][1]}")
     rows, per_op = [], {}
-    for name in ["oracle", *specs]:
-        row, table = profile_compiled(runs[f"{name} compiled"], model.device, args.steps, args.top)
-        per_op[name] = row.pop("per_op")
+    for name in names:
+        results = [r[name][0] for r in rounds]
+        per_op[name] = {key: tuple(statistics.mean(r["per_op"].get(key, (0, 0.0))[i] for r in results)
+                                   for i in range(2)) for key in set().union(*(r["per_op"] for r in results))}
+        row = {key: statistics.median(r[key] for r in results)
+               for key in ("wall_ms", "guard_ms", "graphs_ms", "graphs", "ops")}
+        row["by_round"] = statistics.median(host(r[name][0]) / host(r["oracle"][0]) for r in rounds)
         rows.append({"config": name, **row})
-        print(f"\n== {name} compiled\n{table}")
     oracle = rows[0]
     for row in rows:
-        row["host_ratio"] = (row["guard_ms"] + row["graphs_ms"]) / (oracle["guard_ms"] + oracle["graphs_ms"])
+        row["host_ratio"] = host(row) / host(oracle)
     if args.diff:
         for name in specs:
             print(f"\n{name} compiled against the compiled oracle, per step: ops with the most extra host time")
             print(format_table(op_differences(per_op[name], per_op["oracle"], args.top),
                                [("op", "op", ""), ("extra calls", "calls", "+.1f"), ("extra ms", "ms", "+.3f")]))
     print(f"\n{model_name}, {args.length}-token prompt, batch {args.batch}, ratio {args.ratio}, compiled: per step "
-          f"(host ms: profiled, {args.steps} steps)")
+          f"(host ms: profiled, {args.steps} steps; medians of {args.rounds} rounds)")
     print(format_table(rows, [("config", "config", ""), ("wall ms", "wall_ms", ".2f"),
                               ("guard check ms", "guard_ms", ".2f"), ("graphs ms", "graphs_ms", ".2f"),
                               ("graphs", "graphs", ".0f"), ("aten ops", "ops", ".0f"),
-                              ("(guards + graphs) / oracle's", "host_ratio", ".3f")]))
+                              ("(guards + graphs) / oracle's", "host_ratio", ".3f"), ("by round", "by_round", ".3f")]))
+
+
+def host(row: dict) -> float:
+    """A compiled configuration's host time a step: its guard check and its graphs."""
+    return row["guard_ms"] + row["graphs_ms"]
 
 
 if __name__ == "__main__":

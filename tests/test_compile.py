@@ -21,6 +21,7 @@ from sparsekv import (
     StreamingLLMPress, TOVAPress,
 )
 from sparsekv.layers import KVLayer
+from sparsekv.presses import chess
 
 PRESSES = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, window_size=1),
            SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4),
@@ -230,6 +231,27 @@ def test_a_compiled_chess_generation_counts_its_selections_as_an_eager_one(press
     eager, compiled = counted_generations(press, prompt(64), None)
     expected = 1 + (7 if press.reselect == "always" else 3)  # the prompt's, then the 7 steps' triggers
     assert eager["selections"] == compiled["selections"] == expected
+
+
+@torch.no_grad()
+def test_a_compiled_chess_step_without_a_branch_decodes_as_the_eager_one(monkeypatch):
+    """Where a compiled CHESS step does not branch in its graph (a GPU's: `chess.branches_in_graph`), Algorithm 1
+    runs at every step and is taken in the rows whose trigger fires: the eager tokens and selections, on a
+    left-padded batch re-selecting every other step, in one graph with no branch."""
+    monkeypatch.setattr(chess, "branches_in_graph", lambda device: False)
+    press, (ids, mask), graphs = CHESS[1], left_padded(), []
+    model = make_model("llama")
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            eager_cache, compiled_cache_ = press.make_cache(model), compiled_cache(model, press)
+            eager = greedy(model, ids, mask, new=8, cache=eager_cache)
+            compiled = greedy(model, ids, mask, new=8, cache=compiled_cache_, compile_config=counting_config(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    assert eager_cache.stats().counts["selections"] == compiled_cache_.stats().counts["selections"]
+    assert len(graphs) == 1 and not any(node.target is torch.ops.higher_order.cond for node in graphs[0].graph.nodes)
 
 
 def counted_generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[dict, dict]:

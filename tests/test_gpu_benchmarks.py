@@ -63,16 +63,18 @@ def test_profile_step_on_a_random_model(tokenizer_dir, capsys):
 
 @pytest.mark.slow
 def test_profile_step_compiled_on_a_random_model(tokenizer_dir, capsys):
-    """`--compiled`: each configuration's steps compiled (one graph a step, a guard check before it), reported
-    against the compiled oracle's host time, which is 1 for the oracle itself."""
+    """`--compiled`: each configuration's steps compiled (one graph a step, a guard check before it), profiled in
+    rounds, reported against the compiled oracle's host time (the medians', and the median of each round's ratio),
+    which is 1 for the oracle itself."""
     profile_step.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--steps", "3", "--top", "3",
-                       "--presses", "streamingllm", "--compiled", "--diff"])
+                       "--presses", "streamingllm", "--compiled", "--diff", "--rounds", "2"])
     out = capsys.readouterr().out
-    table = out.split("per step (host ms: profiled, 3 steps)\n")[-1].splitlines()[2:]  # below header and rule
-    rows = {cells[0]: cells[1:] for cells in map(str.split, table)}
+    table = out.split("per step (host ms: profiled, 3 steps; medians of 2 rounds)\n")[-1].splitlines()[2:]
+    rows = {cells[0]: cells[1:] for cells in map(str.split, table)}  # (below the header and its rule)
     assert set(rows) == {"oracle", "streamingllm"}
-    # wall, guard check and graphs ms, graphs, aten ops, host time / the oracle's
-    assert rows["oracle"][5] == "1.000" and rows["oracle"][3] == rows["streamingllm"][3] == "1"
+    # wall, guard check and graphs ms, graphs, aten ops, host time / the oracle's, by round
+    assert rows["oracle"][5] == rows["oracle"][6] == "1.000" and rows["oracle"][3] == rows["streamingllm"][3] == "1"
+    assert out.count("== streamingllm compiled (last round)") == 1
     assert all(float(cells[1]) > 0 and float(cells[2]) > 0 for cells in rows.values())
     diff = out.split("streamingllm compiled against the compiled oracle")[1].split("compiled: per step")[0]
     # each graph's events are named by its hash: the diff compares them under one name

@@ -21,6 +21,12 @@ from .chess_pages import (
 )
 
 
+def branches_in_graph(device: torch.device) -> bool:
+    """Whether a compiled step on `device` branches to Algorithm 1 in its graph (`torch.cond`): on a CPU, where
+    reading the branch's condition costs no wait and no CUDA graph is lost."""
+    return device.type == "cpu"
+
+
 def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and varentropy (nats, nats^2) of the next-token distributions `logits` `(..., vocab)`."""
     logp = logits.float().log_softmax(dim=-1)
@@ -189,12 +195,17 @@ class CHESSPress(Press):
             state.steps += 1
             trigger = self.triggers(ctx.logits[:, -1], state.steps)
         # Algorithm 1 when a row's trigger fires, taken in those rows: an eager step reads the trigger (its one read
-        # on the host); a compiled one branches on the device (`torch.cond`), so its graph runs Algorithm 1 only then.
+        # on the host); a compiled one on a CPU branches in its graph (`torch.cond`), so Algorithm 1 runs only then.
+        # On a GPU it runs at every step, taken where the trigger fires: inductor reads a branch's condition with a
+        # wait for the device and records no CUDA graph of a step that holds one (torch 2.13, `branches_in_graph`).
         # (No attribute is set after the branch: dynamo 2.13 drops such writes from a frame that wrote one before it.)
         reselects = self.reselect_every is not None or self.reselect != "never"
         if in_place and reselects:
-            state.selected.copy_(torch.cond(trigger.any(), self.reselected, kept,
-                                            (state.page_sums, lengths, state.most, trigger, state.selected)))
+            operands = (state.page_sums, lengths, state.most, trigger, state.selected)
+            if branches_in_graph(trigger.device):
+                state.selected.copy_(torch.cond(trigger.any(), self.reselected, kept, operands))
+            else:
+                state.selected.copy_(self.reselected(*operands))
             state.selections.add_(trigger)
         reselect = not in_place and (prompt or reselects and bool(trigger.any()))
         if reselect:
