@@ -47,7 +47,7 @@ from .copies import CacheCopies, _load_cache  # noqa: F401 (pickles made before 
 from .forward import Forward, check_inputs
 from .join import join_caches
 from .layers import KVLayer
-from .masks import check_left_padded, padding_mask, physical_mask
+from .masks import check_left_padded, padding_mask, physical_mask, step_layouts
 from .pieces import PromptPieces
 from .state import RowState, row_index
 from .stats import CacheStats, cache_stats, prompt_kept
@@ -315,14 +315,7 @@ class SparseCache(CacheCopies, RowState, Cache):
                 layer.make_step_room((layer.largest_budget or self.largest_budget) - layer.slots)
             else:
                 layer.make_step_room(self.max_new_tokens - layer.free_slots())
-        self.layouts, leaders = {}, []
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer, KVLayer):
-                continue
-            leader = next((j for j in leaders if same_layout(self.layers[j], layer)), None)
-            if leader is None:
-                leaders.append(leader := i)
-            self.layouts[i] = leader
+        self.layouts = step_layouts({i: layer for i, layer in enumerate(self.layers) if isinstance(layer, KVLayer)})
 
     def _gather_chosen(self, ctx: Context, in_place: bool) -> None:
         """The store slots the press's `choose` says `ctx.layer` reads, gathered into its working set (`in_place`:
@@ -392,12 +385,6 @@ class SparseCache(CacheCopies, RowState, Cache):
     def prompt_kept(self) -> dict[int, torch.Tensor]:
         """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens whose KV it reads now."""
         return prompt_kept(self)
-
-
-def same_layout(a: KVLayer, b: KVLayer) -> bool:
-    """Whether layers `a` and `b` hold the same validity on one device: a step's mask and free slot serve both."""
-    return (a.device == b.device and a.slots == b.slots and a.heads_agree == b.heads_agree
-            and torch.equal(a.valid, b.valid))
 
 
 def clock() -> float | None:

@@ -1,6 +1,7 @@
 """What a forward's attention masks say, and the mask of a compressed layer: which tokens of a forward are real
 (generate's 2D mask, or the 4D one it builds for a compiled cache), that padding is on the left, and the
-physical mask over the slots a compressed layer holds (`SparseCache.before_layer`)."""
+physical mask over the slots a compressed layer holds (`SparseCache.before_layer`), and which layers share one
+(`step_layouts`)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,22 @@ def physical_mask(past_valid: torch.Tensor, new_valid: torch.Tensor, impl: str, 
     if impl == "eager":
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
+
+
+def step_layouts(layers: dict) -> dict[int, int]:
+    """Each compressed layer's index (`layers`: index to `KVLayer`) to its layout's: the first of them that holds
+    the same validity on the same device (`same_layout`), whose mask and free slot a decoding step finds once
+    for all of them (`SparseCache.layouts`)."""
+    layouts, leaders = {}, []
+    for i, layer in layers.items():
+        leader = next((j for j in leaders if same_layout(layers[j], layer)), None)
+        if leader is None:
+            leaders.append(leader := i)
+        layouts[i] = leader
+    return layouts
+
+
+def same_layout(a, b) -> bool:
+    """Whether layers `a` and `b` hold the same validity on one device: a step's mask and free slot serve both."""
+    return (a.device == b.device and a.slots == b.slots and a.heads_agree == b.heads_agree
+            and torch.equal(a.valid, b.valid))
