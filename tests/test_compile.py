@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import re
 from typing import ClassVar
@@ -278,6 +279,30 @@ def test_a_compiled_sentencekv_generation_counts_its_loads_as_an_eager_one(press
               for c in counted_generations(press, *left_padded())]
     layers = make_model("llama").config.num_hidden_layers  # (every one compressed)
     assert counts[0] == counts[1] and counts[0]["selections"] == 7 * 2 * layers and counts[0]["loaded_tokens"] > 0
+
+
+@pytest.mark.parametrize("press", SENTENCE, ids=label)
+@torch.no_grad()
+def test_a_compiled_sentencekv_cache_holds_its_loaded_slots_in_order_of_position(press):
+    """A compiled cache stores no `device_slot` (which working-set slot holds each loaded store slot): its loaded
+    region holds the resident store slots in order of position, each at the count of those before it, in every
+    layer, row and head, after steps whose selections changed."""
+    model = make_model("llama")
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            cache = compiled_cache(model, press)
+            greedy(model, *left_padded(), new=8, cache=cache, compile_config=counting_config())
+    finally:
+        torch._dynamo.reset()
+    assert cache.stats().counts["loaded_tokens"] > 0
+    for stack in cache.state.stacks:
+        assert stack.device_slot is None
+        for layer_idx, rank in stack.ranks.items():
+            layer = cache.layers[layer_idx]
+            for row, head in itertools.product(*map(range, layer.positions.shape[:2])):
+                loaded = layer.store_positions[row][stack.resident[row, rank, head]]
+                assert torch.equal(layer.positions[row, head, :len(loaded)], loaded)
 
 
 @pytest.mark.parametrize("press", [StreamingLLMPress(budget=68, window_size=1),

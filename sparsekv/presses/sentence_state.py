@@ -97,7 +97,10 @@ class LayerStack(RowState):
         slot_sentence: `(batch, layers, kv_heads, R)` the sentence of each store slot.
         slot_room: `(batch, layers, 1, R)` see `sentence_step.loading_room`.
         resident: `(batch, layers, kv_heads, R)` the store slots now loaded.
-        device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot.
+        device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot, where loads
+            copy only the tokens that enter; None on a compiled cache, whose loaded region holds the resident
+            slots in order of position, so that a slot's place is a count of those before it
+            (`sentence_step.load_region`) and is never stored.
         step_queries: the last forward's queries, per rank `(batch, kv_heads, q, head_dim)` (kept for `crop`).
         before_reset: `query_sum` before a sentence end zeroed it, for `crop`.
         counts: `(batch, 3)` each row's ranking events (`COUNTED`), counted on the device (`sentence_step.count`).
@@ -122,7 +125,7 @@ class LayerStack(RowState):
     def add(self, layer_idx: int, parts: dict[str, torch.Tensor]) -> int:
         """Stack one layer's `parts` after the others (its sentences, or theirs, padded to the most); its rank.
         A layer at a time, at its compress: the stack is copied once per layer then, never while decoding."""
-        parts = {name: t.unsqueeze(1) for name, t in parts.items()}
+        parts = {name: None if t is None else t.unsqueeze(1) for name, t in parts.items()}
         rank = self.ranks[layer_idx] = len(self.ranks)
         self.last = layer_idx
         if self.query_sum is not None:
@@ -131,7 +134,8 @@ class LayerStack(RowState):
             widened(self, s)
         for name in self.STACKED:
             mine = getattr(self, name)
-            setattr(self, name, parts[name] if mine is None else torch.cat([mine, parts[name]], dim=1))
+            setattr(self, name, parts[name] if mine is None or parts[name] is None else
+                    torch.cat([mine, parts[name]], dim=1))
         self.step_queries = [None] * len(self.ranks)
         if self.counts is None:
             self.counts = torch.zeros(self.query_sum.shape[0], len(self.COUNTED), dtype=torch.long,
@@ -140,7 +144,8 @@ class LayerStack(RowState):
 
     def at(self, rank: int) -> LayerRanking:
         """One layer's ranking state: views of its slice of each stacked tensor (writes go to the stack)."""
-        return LayerRanking(*(getattr(self, name)[:, rank] for name in self.STACKED))
+        stacked = (getattr(self, name) for name in self.STACKED)
+        return LayerRanking(*(None if t is None else t[:, rank] for t in stacked))
 
     @classmethod
     def joined(cls, stacks: list[LayerStack]) -> LayerStack:
@@ -152,7 +157,8 @@ class LayerStack(RowState):
         for stack in stacks:
             twin = widened(LayerStack(**vars(stack)), s)
             for name, fill in (("slot_sentence", s - 1), ("slot_room", 0), ("resident", False), ("device_slot", 0)):
-                setattr(twin, name, padded(getattr(twin, name), 3, r, fill))
+                if getattr(twin, name) is not None:
+                    setattr(twin, name, padded(getattr(twin, name), 3, r, fill))
             twins.append(twin)
         return super().joined(twins)
 

@@ -22,11 +22,12 @@ def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bo
     per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
     not care about slot order (keys carry their RoPE), so the loaded region needs none.
     """
-    resident, device_slot = stack.resident[:, rank], stack.device_slot[:, rank]  # views: written in place
+    mine = stack.at(rank)
+    resident, device_slot = mine.resident, mine.device_slot  # views: written in place (None: a compiled cache's)
     if not first:
         count(stack, chosen[:, None], resident[:, None])
     if in_place and not first:
-        load_region([layer], chosen[:, None], resident[:, None], device_slot[:, None])
+        load_region([layer], chosen[:, None], resident[:, None])
         return
     if one_read is None:  # on a CPU a host read costs an op; on a GPU each waits for the device to drain
         one_read = chosen.device.type != "cpu"
@@ -48,7 +49,8 @@ def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bo
     if slot.numel() == 0:  # the selection did not change: everything is resident already
         return
     load_layers([layer], None, row, head, slot, target)
-    device_slot[row, head, slot] = target
+    if device_slot is not None:
+        device_slot[row, head, slot] = target
 
 
 def rank_step(press, cache: SparseCache) -> None:
@@ -62,7 +64,7 @@ def rank_step(press, cache: SparseCache) -> None:
         count(stack, chosen, stack.resident)
         layers = [cache.layers[i] for i in stack.ranks]  # in rank order
         if cache.compiled:
-            load_region(layers, chosen, stack.resident, stack.device_slot)
+            load_region(layers, chosen, stack.resident)
         else:
             load_all(layers, stack, chosen)
 
@@ -83,20 +85,19 @@ def load_all(layers: list, stack: LayerStack, chosen: torch.Tensor) -> None:
     load_layers(layers, lay, row, head, slot, target)
 
 
-def load_region(layers: list, chosen: torch.Tensor, resident: torch.Tensor, device_slot: torch.Tensor) -> None:
+def load_region(layers: list, chosen: torch.Tensor, resident: torch.Tensor) -> None:
     """`load` on a compiled cache's layers, whose steps keep their shapes and read nothing on the host: each
     layer's whole loaded region written anew, in place, with the chosen store slots `chosen` `(b, layers, h, R)`
     in order of position (`StoreLayer.load_region`; a row filling fewer has its fillers written with store slot 0,
-    never attended); `resident` and `device_slot` (of the same shape, views of the stack's) written in place to
-    match (an unchosen slot's device slot is never read). Each chosen slot's place is a count of those before
-    it, not a sort."""
+    never attended); `resident` (of the same shape, a view of the stack's) written in place to match. Each chosen
+    slot's place is a count of those before it, not a sort, and is derived so again where needed: a compiled
+    cache keeps no `device_slot`."""
     place = chosen.cumsum(-1) - 1  # (b, layers, h, R): the region slot of each chosen store slot
     r = chosen.shape[-1]
     slots = place.new_zeros(*place.shape[:-1], r + 1).scatter_(  # unchosen slots to a last column, dropped
         -1, torch.where(chosen, place, r), torch.arange(r, device=place.device).expand_as(place))
     for layer, layer_slots in zip(layers, slots.unbind(1)):
         layer.load_region(layer_slots)
-    device_slot.copy_(place)
     resident.copy_(chosen)
 
 
