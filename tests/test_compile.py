@@ -301,7 +301,7 @@ def test_a_compiled_sentencekv_cache_holds_its_loaded_slots_in_order_of_position
         for layer_idx, rank in stack.ranks.items():
             layer = cache.layers[layer_idx]
             for row, head in itertools.product(*map(range, layer.positions.shape[:2])):
-                loaded = layer.store_positions[row][stack.resident[row, rank, head]]
+                loaded = layer.store_positions[row][stack.resident[row, rank, head].bool()]
                 assert torch.equal(layer.positions[row, head, :len(loaded)], loaded)
 
 

@@ -96,7 +96,9 @@ class LayerStack(RowState):
         sentence_sizes: `(batch, layers, 1, S)` stored tokens of each sentence.
         slot_sentence: `(batch, layers, kv_heads, R)` the sentence of each store slot.
         slot_room: `(batch, layers, 1, R)` see `sentence_step.loading_room`.
-        resident: `(batch, layers, kv_heads, R)` the store slots now loaded.
+        resident: `(batch, layers, kv_heads, R)` uint8, 1 for the store slots now loaded: bytes, not bools, since
+            inductor's CPU code moves a bool tensor some 50 times slower than a byte one (torch 2.13; a compiled
+            step writes this one whole).
         device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot, where loads
             copy only the tokens that enter; None on a compiled cache, whose loaded region holds the resident
             slots in order of position, so that a slot's place is a count of those before it

@@ -95,7 +95,7 @@ def load_region(layers: list, chosen: torch.Tensor, resident: torch.Tensor) -> N
     place = chosen.cumsum(-1) - 1  # (b, layers, h, R): the region slot of each chosen store slot
     r = chosen.shape[-1]
     slots = place.new_zeros(*place.shape[:-1], r + 1).scatter_(  # unchosen slots to a last column, dropped
-        -1, torch.where(chosen, place, r), torch.arange(r, device=place.device).expand_as(place))
+        -1, torch.where(chosen.bool(), place, r), torch.arange(r, device=place.device).expand_as(place))
     for layer, layer_slots in zip(layers, slots.unbind(1)):
         layer.load_region(layer_slots)
     resident.copy_(chosen)

@@ -194,7 +194,7 @@ class SentencePress(SnapKVPress):
         stack, rank = state.add_layer(
             ctx.layer_idx, query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes,
             slot_sentence=slot_sentence, slot_room=loading_room(slot_sentence[:, :1], sizes, fill),
-            resident=torch.zeros(b, h, r, dtype=torch.bool, device=device),
+            resident=torch.zeros(b, h, r, dtype=torch.uint8, device=device),
             device_slot=None if ctx.cache.compiled else torch.zeros(b, h, r, dtype=torch.long, device=device))
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
         load(layer, stack, rank, self.chosen(stack.at(rank)), first=True)
