@@ -90,8 +90,8 @@ def load_region(layers: list, chosen: torch.Tensor, resident: torch.Tensor) -> N
     layer's whole loaded region written anew, in place, with the chosen store slots `chosen` `(b, layers, h, R)`
     in order of position (`StoreLayer.load_region`; a row filling fewer has its fillers written with store slot 0,
     never attended); `resident` (of the same shape, a view of the stack's) written in place to match. Each chosen
-    slot's place is a count of those before it, not a sort, and is derived so again where needed: a compiled
-    cache keeps no `device_slot`."""
+    slot's place is a count of those before it, not a sort; being that count, it is not kept (a compiled cache
+    has no `device_slot`)."""
     place = chosen.cumsum(-1) - 1  # (b, layers, h, R): the region slot of each chosen store slot
     r = chosen.shape[-1]
     slots = place.new_zeros(*place.shape[:-1], r + 1).scatter_(  # unchosen slots to a last column, dropped
