@@ -255,8 +255,8 @@ def test_a_compiled_chess_step_without_a_branch_decodes_as_the_eager_one(monkeyp
     assert len(graphs) == 1 and not any(node.target is torch.ops.higher_order.cond for node in graphs[0].graph.nodes)
 
 
-def counted_generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[dict, dict]:
-    """The press's event counts (`stats().counts`) after a greedy generation of 8 tokens, eager and compiled."""
+def generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple:
+    """The press's caches after a greedy generation of 8 tokens, eager and compiled."""
     model = make_model("llama")
     torch._dynamo.reset()
     try:
@@ -266,7 +266,12 @@ def counted_generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> 
             greedy(model, ids, mask, new=8, cache=compiled, compile_config=counting_config())
     finally:
         torch._dynamo.reset()
-    return eager.stats().counts, compiled.stats().counts
+    return eager, compiled
+
+
+def counted_generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[dict, dict]:
+    """The press's event counts (`stats().counts`) after a greedy generation of 8 tokens, eager and compiled."""
+    return tuple(cache.stats().counts for cache in generations(press, ids, mask))
 
 
 @pytest.mark.parametrize("press", SENTENCE, ids=label)
@@ -287,14 +292,7 @@ def test_a_compiled_sentencekv_cache_holds_its_loaded_slots_in_order_of_position
     """A compiled cache stores no `device_slot` (which working-set slot holds each loaded store slot): its loaded
     region holds the resident store slots in order of position, each at the count of those before it, in every
     layer, row and head, after steps whose selections changed."""
-    model = make_model("llama")
-    torch._dynamo.reset()
-    try:
-        with press(model):
-            cache = compiled_cache(model, press)
-            greedy(model, *left_padded(), new=8, cache=cache, compile_config=counting_config())
-    finally:
-        torch._dynamo.reset()
+    _, cache = generations(press, *left_padded())
     assert cache.stats().counts["loaded_tokens"] > 0
     for stack in cache.state.stacks:
         assert stack.device_slot is None

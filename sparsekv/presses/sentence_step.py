@@ -22,8 +22,8 @@ def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bo
     per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
     not care about slot order (keys carry their RoPE), so the loaded region needs none.
     """
-    mine = stack.at(rank)
-    resident, device_slot = mine.resident, mine.device_slot  # views: written in place (None: a compiled cache's)
+    resident = stack.resident[:, rank]  # views: written in place
+    device_slot = None if stack.device_slot is None else stack.device_slot[:, rank]  # (None: a compiled cache's)
     if not first:
         count(stack, chosen[:, None], resident[:, None])
     if in_place and not first:
