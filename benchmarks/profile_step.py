@@ -15,7 +15,7 @@ row. The guard check and that code are what a press adds to a compiled step on a
 steadier between runs than wall time does (docs/compiled.md). The configurations are profiled in `--rounds`, each
 profiling every one once; "by round" is the median of each round's ratio to the oracle.
 
-    python -m benchmarks.profile_step --shape host-bound --tokenizer TOKENIZER_DIR --device cpu --dtype float32 \\
+    python -m benchmarks.profile_step --shape host-bound --tokenizer smollm2-135m --device cpu --dtype float32 \\
         --length 4096 --compiled --steps 32 --presses streamingllm,snapkv,h2o --diff
 
 `--python N` also profiles the same steps with cProfile and lists the N functions with the most time of their own

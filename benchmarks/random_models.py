@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from sparsekv.cli import placement, placement_args
-from sparsekv.models import load_model
+from sparsekv.models import load_model, load_tokenizer
 
 # The published configs' shapes (config.json of each model on the Hub), rope included: its scaling changes the
 # step's work only through the rotary embedding, but a 128k prompt needs Llama 3.1's context.
@@ -69,8 +69,8 @@ def model_arguments(parser: argparse.ArgumentParser, shape_only: bool = False) -
     add("--shape", choices=SHAPES, required=shape_only,
         help="a model of this shape with random weights, built on --device" + ("" if shape_only else
                                                                               " (instead of --model)"))
-    add("--tokenizer", metavar="DIR", required=shape_only, help="tokenizer folder for --shape (any, with a chat "
-        "template: only the prompts' lengths matter)")
+    add("--tokenizer", required=shape_only, help="tokenizer for --shape: an alias (smollm2-135m), .gguf file or "
+        "folder (any, with a chat template: only the prompts' lengths matter)")
     placement_args(parser)
     add("--cudnn-sdpa", action="store_true", help="let sdpa pick cuDNN attention (off by default: torch 2.11 "
         "rebuilds its plan for every new KV length, ~1.2 ms of host time per layer and step; docs/gpu.md)")
@@ -83,7 +83,7 @@ def model_placement(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     if not args.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     if args.shape and not args.tokenizer:
-        args.parser.error("--shape: give --tokenizer DIR (any tokenizer folder with a chat template).")
+        args.parser.error("--shape: give --tokenizer (an alias such as smollm2-135m, a .gguf file or a folder).")
     if args.shape and args.device_map:
         args.parser.error("--device-map: not with --shape (its model is built on --device).")
     return placement(args)
@@ -93,6 +93,6 @@ def load_from_arguments(args: argparse.Namespace, device: str, dtype: torch.dtyp
     """`(model, tokenizer, name)` of the parsed `model_arguments`, placed as `model_placement` said."""
     if args.shape:
         return (random_model(args.shape, device, dtype, args.attn_implementation),
-                AutoTokenizer.from_pretrained(args.tokenizer), f"{args.shape} (random weights)")
+                load_tokenizer(args.tokenizer), f"{args.shape} (random weights)")
     model, tokenizer = load_model(args.model, dtype, args.attn_implementation, device_map=device)
     return model, tokenizer, args.model
