@@ -8,8 +8,13 @@ given as `position_embeddings`: Llama, Qwen2, Qwen3, Mistral, Phi3, Gemma3.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -117,6 +122,72 @@ def as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+# The attention implementations whose decoding steps can keep their weights (`keeping_weights`): flash attention
+# takes a mask of its own form and is for GPUs, where a press that reads a step's attention recomputes it.
+WEIGHTS_KEPT_OVER = ("sdpa", "eager")
+_PREFIX = "sparsekv_"  # of the wrapped implementations' names: "sparsekv_sdpa", "sparsekv_eager"
+
+
+def model_implementation(name: str) -> str:
+    """The model's own attention implementation behind `name` (a model's `config._attn_implementation`, which
+    is sparsekv's `keeping_weights` name inside the `with` block of a press that reads a step's attention)."""
+    return name.removeprefix(_PREFIX)
+
+
+def module_implementation(module) -> str:
+    """The model's own attention implementation at `module` (`model_implementation` of its config's)."""
+    return model_implementation(module.config._attn_implementation)
+
+
+def keeping_weights(name: str) -> str | None:
+    """The attention implementation that runs the model's own (`name`) and, at a layer's call asked to by
+    sparsekv's hooks (the `keep_weights` keyword), computes softmax attention itself and returns its weights
+    (`attention_with_weights`): registered with transformers' `AttentionInterface` (and the mask function of
+    `name`) under its own name, which it returns. None where `name` is not one of `WEIGHTS_KEPT_OVER`."""
+    if name not in WEIGHTS_KEPT_OVER:
+        return None
+    wrapped = _PREFIX + name
+    if wrapped not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)  # None: "eager" (each model has its own)
+
+        def attention(module, query, key, value, attention_mask, keep_weights: bool = False, **kwargs):
+            if keep_weights and not module.training:
+                return attention_with_weights(module, query, key, value, attention_mask, **kwargs)
+            # (eager: the model's own function, from its modeling module, as its attention modules call it)
+            own = inner or sys.modules[type(module).__module__].eager_attention_forward
+            return own(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(wrapped, attention)
+        AttentionMaskInterface.register(wrapped, ALL_MASK_ATTENTION_FUNCTIONS[name])
+    return wrapped
+
+
+def attention_with_weights(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float | None = None,
+                           softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention computed once, for its output and its weights: `(output (batch, q, heads, head_dim),
+    weights (batch, heads, q, keys) float32)`, as transformers' attention functions return them.
+
+    The logits and softmax are float32 (the weights a press accumulates), the product with the values in their
+    dtype. `attention_mask` is boolean (True: attended) or additive, `(batch, 1 or heads, q, keys)`, or None."""
+    b, h, q, d = query.shape
+    h_kv = key.shape[1]
+    scaling = module.scaling if scaling is None else scaling
+    queries = as_float(query * scaling).reshape(b * h_kv, h // h_kv * q, d)  # query heads grouped by KV head
+    logits = torch.bmm(queries, as_float(key).flatten(0, 1).transpose(1, 2)).view(b, h, q, -1)
+    softcap = softcap if softcap is not None else getattr(module, "attn_logit_softcapping", None)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[..., : logits.shape[-1]]
+        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    weights = logits.softmax(dim=-1)
+    if attention_mask is not None:  # fully masked rows (padding queries) give NaN: zeros, as `attention_probs`
+        weights = weights.nan_to_num(0.0)
+    output = torch.bmm(weights.to(value.dtype).view(b * h_kv, h // h_kv * q, -1), value.flatten(0, 1))
+    return output.view(b, h, q, -1).transpose(1, 2).contiguous(), weights
+
+
 @dataclass
 class AttentionCall:
     """One call of an attention module, as the hooks saw it.
@@ -130,6 +201,9 @@ class AttentionCall:
             presses that read queries then); `queries()` then shapes it instead of recomputing it.
         capture: whether this call captures its projection (set by the cache: after the prompt, for presses
             that read step queries).
+        weights: the softmax attention the call computed, `(batch, heads, q, keys)` float32, when it kept it (a
+            forward after the prompt under a press that reads its attention, `SparseCache.keeps_weights`): what
+            `Context.attention` reads instead of computing it again.
         offset: the input's first token's index in the prompt, when the call stands for a prompt read in pieces
             (the last piece and the tail of the earlier ones before it, `SparseCache` and `Press.prompt_tail`):
             `queries(start, end)` and `valid()` then count tokens from the prompt's start, and `input_valid` and
@@ -143,6 +217,7 @@ class AttentionCall:
     projected: torch.Tensor | None = None
     capture: bool = False
     offset: int = 0
+    weights: torch.Tensor | None = None
 
     @property
     def q_len(self) -> int:

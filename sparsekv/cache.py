@@ -40,7 +40,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
-from .attention import AttentionCall, query_groups
+from .attention import AttentionCall, module_implementation, query_groups
 from .buffers import step_state
 from .context import Context, hold_budget
 from .copies import CacheCopies, _load_cache  # noqa: F401 (pickles made before name it here)
@@ -204,7 +204,7 @@ class SparseCache(CacheCopies, RowState, Cache):
             return KEEP_MASK
         # (the config is read only when needed: its attribute reads are slow, and this runs at every layer and step)
         if forward.input_valid is None and layer.all_valid and (
-                forward.q_len == 1 or module.config._attn_implementation.startswith("flash")):
+                forward.q_len == 1 or module_implementation(module).startswith("flash")):
             return None  # every slot real, nothing causal to mask: the fast path
         new_valid = forward.input_valid
         layout = self.layouts.get(module.layer_idx) if forward.q_len == 1 else None
@@ -213,7 +213,7 @@ class SparseCache(CacheCopies, RowState, Cache):
         if new_valid is None:
             new_valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=layer.valid.device)
         past = layer.valid  # (compiling, a view of its buffer made in the graph: `StepViews.tensor`)
-        mask = physical_mask(past[:, 0] if layer.heads_agree else past, new_valid, module.config._attn_implementation,
+        mask = physical_mask(past[:, 0] if layer.heads_agree else past, new_valid, module_implementation(module),
                              hidden.dtype, query_groups(module))
         if layout is not None:
             forward.masks[layout] = mask
@@ -240,9 +240,17 @@ class SparseCache(CacheCopies, RowState, Cache):
         kwargs.setdefault("valid", forward.input_valid)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def after_layer(self, layer_idx: int) -> None:
-        """After the layer's attention: the press compresses the prompt, or does its per-step work; timed."""
+    def keeps_weights(self) -> bool:
+        """Whether the forward's attention keeps its weights for the press (`after_layer`): a forward after the
+        prompt under a press that reads its attention (`Press.reads_step_attention`), where the model's attention
+        implementation can (`attention.keeping_weights`, which the hooks install, asked by them)."""
+        return self.press.reads_step_attention and not self.forward.first and self.pieces is None
+
+    def after_layer(self, layer_idx: int, weights: torch.Tensor | None = None) -> None:
+        """After the layer's attention (`weights`: its softmax weights, when it kept them, `keeps_weights`): the
+        press compresses the prompt, or does its per-step work; timed."""
         ctx = self.forward.contexts.pop(layer_idx)
+        ctx.call.weights = weights
         layer, press = ctx.layer, self.press
         start, kind = clock(), "compress"
         if self.pieces is not None:  # a prompt read in pieces: compressed at its last, as a whole

@@ -76,13 +76,18 @@ class Context:
 
         At the prompt: over the prompt's keys up to `end` (causal, padding masked, padding queries' rows zero).
         After it: over every slot the layer holds (free slots and padding never attended; a forward's later
-        tokens unseen by its earlier ones).
+        tokens unseen by its earlier ones): the weights the layer's attention computed, under a press that
+        declares it reads them (`Press.reads_step_attention`), else computed again from the queries.
         """
         layer = self.layer
         total = layer.keys.shape[-2] if self.prompt else self.cache.forward.q_len  # the prompt's, or the forward's
         start, end = _index(start, total), total if end is None else _index(end, total)
         if self.prompt:
             return self.call.prefill_probs(layer.keys, start, end)
+        weights = self.call.weights  # (batch, heads, q, slots): the attention's own, kept (`keeps_weights`)
+        if weights is not None:
+            b, h_kv = layer.keys.shape[:2]
+            return weights.view(b, h_kv, -1, *weights.shape[-2:])[..., start:end, :]
         q_len = total
         visible = None if q_len == 1 and layer.all_valid else layer.valid[:, :, None, :]  # (b, h, 1, slots)
         if q_len > 1:  # the forward's tokens are its last slots, each seeing none after its own

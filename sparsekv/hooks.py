@@ -19,7 +19,7 @@ import torch
 from transformers import StaticCache
 
 from .architectures import check_model, head_logits, output_head
-from .attention import query_projection
+from .attention import keeping_weights, query_projection
 from .cache import KEEP_MASK, SparseCache
 from .generation import (
     compile_in_block, draft_length, eager_notice, fresh_default, pieces_after, prefill_before_draft,
@@ -74,14 +74,21 @@ def install(press, model: torch.nn.Module):
     inst, handles = Installation(press, model), []
     restore = compile_in_block(press, model) if press.compile else None
     _active.add(model)
+    own = model.config._attn_implementation
     try:
+        # A press that reads a step's attention gets the weights the attention computed, not computed again: for
+        # the block, the model's implementation runs inside one that can keep them (`keeping_weights`).
+        weighing = keeping_weights(own) if press.reads_step_attention else None
+        if weighing is not None:
+            model.set_attn_implementation(weighing)
         handles.append(model.register_forward_pre_hook(partial(_before_model, inst), with_kwargs=True))
         handles.append(model.register_forward_hook(partial(_after_model, inst), with_kwargs=True))
         head = output_head(model) if press.reads_logits else None
         if head is not None:  # inside the model's forward: a compiled step's graph holds the press's end_forward
             handles.append(head.register_forward_hook(partial(_after_head, inst)))
+        before = partial(_before_attention, weighing is not None)
         for module in targets:
-            handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
             projection = query_projection(module) if press.captures_step_queries else None
             if projection is not None:  # a hook makes every call of the projection slower: only where it is read
@@ -91,6 +98,8 @@ def install(press, model: torch.nn.Module):
         for handle in handles:
             handle.remove()
         _active.discard(model)
+        if model.config._attn_implementation != own:
+            model.set_attn_implementation(own)
         if restore is not None:
             restore()
 
@@ -169,15 +178,19 @@ def _after_model(inst: Installation, module, args, kwargs, output):
 
 
 @_without_grad
-def _before_attention(module, args, kwargs):
+def _before_attention(weighing: bool, module, args, kwargs):
     cache = kwargs.get("cache")
     if not isinstance(cache, SparseCache):
         return None
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     mask = cache.before_layer(module, hidden, kwargs.get("position_embeddings"))
-    if mask is KEEP_MASK:
+    keep = weighing and cache.keeps_weights()  # (`weighing`: the attention can keep them, `install`)
+    if mask is KEEP_MASK and not keep:
         return None
-    kwargs["attention_mask"] = mask
+    if mask is not KEEP_MASK:
+        kwargs["attention_mask"] = mask
+    if keep:
+        kwargs["keep_weights"] = True  # (to `keeping_weights`' attention, through the module's keywords)
     return args, kwargs
 
 
@@ -199,4 +212,4 @@ def _after_queries(inst: Installation, layer_idx: int, module, args, output):
 def _after_attention(module, args, kwargs, output):
     cache = kwargs.get("cache")
     if isinstance(cache, SparseCache):
-        cache.after_layer(module.layer_idx)
+        cache.after_layer(module.layer_idx, output[1] if kwargs.get("keep_weights") else None)

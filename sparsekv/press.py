@@ -54,6 +54,10 @@ class Press:
             the same slots (StreamingLLM's): a decoding step's victims are found at its first layer, for all.
         captures_step_queries: decoding steps keep each layer's query projection (`call.projected`), so that
             `call.queries()` shapes it instead of projecting again. Implied by an `on_queries` override.
+        reads_step_attention: `ctx.attention()` after the prompt (in `after_step` or `score_step`) reads the
+            weights the layer's attention computed, not computed again: inside the `with` block the model's
+            attention runs in an implementation that keeps them at those forwards (`attention.keeping_weights`,
+            over sdpa or eager; with flash attention they are computed again).
         reads_prompt_in_pieces: a prompt given in several forwards (generate's `prefill_chunk_size`) is read
             as a prompt and continued prompts, with no help from the driver (CHESS, which keeps every token).
             Otherwise `prompt_tail()` says whether the driver can compress such a prompt at its last piece; when
@@ -76,6 +80,7 @@ class Press:
     reads_input_ids: ClassVar[bool] = False
     scores_by_position: ClassVar[bool] = False
     captures_step_queries: ClassVar[bool] = False
+    reads_step_attention: ClassVar[bool] = False
     # Derived from the overrides (`__init_subclass__`), for the driver: whether it calls these four phases.
     selects_before_attention: ClassVar[bool] = False
     reads_step_queries: ClassVar[bool] = False

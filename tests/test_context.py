@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import pytest
 import torch
 from conftest import make_model, prompt
 
-from sparsekv import SnapKVPress
+from sparsekv import H2OPress, SnapKVPress
 
 
 @dataclass(kw_only=True)
@@ -54,3 +55,58 @@ def test_ctx_attention_is_the_attention_the_model_ran(new, padded):
         b, h, q, k = weights.shape
         torch.testing.assert_close(every.reshape(b, h, q, k), weights.float())
         torch.testing.assert_close(last.reshape(b, h, 1, k), weights[:, :, -1:].float())
+
+
+@dataclass(kw_only=True)
+class StepReader(Recorder):
+    """The recorder, reading the weights its steps' attention computed (`reads_step_attention`), beside the
+    attention computed again from the step's queries (the path flash attention takes)."""
+
+    reads_step_attention: ClassVar[bool] = True
+
+    def after_step(self, ctx):
+        kept = ctx.call.weights
+        read = ctx.attention(), ctx.attention(-1)
+        ctx.call.weights = None
+        self.seen[("step", ctx.layer_idx)] = (kept is not None, read, (ctx.attention(), ctx.attention(-1)))
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("new", [1, 3], ids=["step", "three-tokens"])
+@torch.no_grad()
+def test_a_press_that_reads_a_steps_attention_reads_the_weights_its_attention_computed(implementation, new):
+    """Under a press that reads a step's attention, the model's attention keeps its weights at the forwards
+    after the prompt (sdpa and eager, wrapped for the `with` block and given back after it): `ctx.attention`
+    reads them, and they equal the attention computed again from the step's queries; the logits equal those of a
+    press that computes it again, in a left-padded batch."""
+    model = make_model("llama", implementation)
+    ids, more = prompt(48, batch=2), prompt(new, batch=2, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    reader, recorder = StepReader(ratio=0.5, window_size=8), Recorder(ratio=0.5, window_size=8)
+    logits = []
+    for press in (reader, recorder):
+        with press(model):
+            inside = model.config._attn_implementation
+            cache = model(ids, attention_mask=mask).cache
+            logits.append(model(more, cache=cache, attention_mask=torch.cat(
+                [mask, torch.ones_like(more)], dim=1)).logits)
+        assert model.config._attn_implementation == implementation
+        assert inside == (f"sparsekv_{implementation}" if press is reader else implementation)
+    for i in range(model.config.num_hidden_layers):
+        kept, read, again = reader.seen[("step", i)]
+        assert kept
+        torch.testing.assert_close(read, again)
+        torch.testing.assert_close(read[0], recorder.seen[("step", i)][0])
+    torch.testing.assert_close(logits[0], logits[1])
+
+
+def test_the_models_attention_is_given_back_when_a_block_fails():
+    """The attention implementation a press that reads a step's attention wraps for its block is the model's
+    own again after the block ends with an error."""
+    model = make_model("llama", "sdpa")
+    with pytest.raises(RuntimeError, match="inside"):
+        with H2OPress(ratio=0.5)(model):
+            assert model.config._attn_implementation == "sparsekv_sdpa"
+            raise RuntimeError("inside")
+    assert model.config._attn_implementation == "sdpa"

@@ -178,12 +178,18 @@ def test_hooks_removed_and_model_unchanged():
     assert torch.equal(model(ids).logits, before)
 
 
+class StepQueries(SnapKVPress):
+    captures_step_queries: ClassVar[bool] = True
+
+
 def test_query_projections_are_hooked_only_for_presses_that_read_step_queries():
+    """A press that reads a step's attention (H2O) reads the weights its attention computed: no projection hook."""
     model = make_model("llama")
     projection = model.model.layers[0].self_attn.q_proj
-    with SnapKVPress(ratio=0.5, window_size=8)(model):
-        assert not projection._forward_hooks  # a hook would slow every call of it down for nothing
-    with H2OPress(ratio=0.5, window_size=1)(model):
+    for press in (SnapKVPress(ratio=0.5, window_size=8), H2OPress(ratio=0.5, window_size=1)):
+        with press(model):
+            assert not projection._forward_hooks  # a hook would slow every call of it down for nothing
+    with StepQueries(ratio=0.5, window_size=8)(model):
         assert len(projection._forward_hooks) == 1
         greedy(model, prompt(40))
 

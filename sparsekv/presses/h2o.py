@@ -21,8 +21,9 @@ class H2OPress(ScorerPress):
     are not favoured for being old. The cache is cut to the budget at prefill and one token is evicted at every
     decoding step, so it never holds more than the budget after a step (paper sec. 4, Algorithm 1).
 
-    The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix), and a
-    decoding step's from its query's projection, whatever the attention implementation.
+    The prompt's attention is recomputed in blocks of `block_size` queries (never an L x L matrix); a decoding
+    step's is the one its attention computed (`reads_step_attention`: over sdpa or eager; with flash attention,
+    recomputed from its queries).
 
     A row never holds fewer than `window_size` tokens (the floor): a ratio's budget is raised to it, so a prompt
     and its answer that fit in it (a chat turn of a few dozen tokens) are never evicted, and the output is the
@@ -45,7 +46,7 @@ class H2OPress(ScorerPress):
     recent_ratio: float = 0.5
     window_size: int = 64
     block_size: int = 256
-    captures_step_queries: ClassVar[bool] = True  # `after_step` recomputes the step's attention row
+    reads_step_attention: ClassVar[bool] = True  # `after_step` adds up the step's attention
     compiled_decoding: ClassVar[bool] = True
 
     def __post_init__(self):

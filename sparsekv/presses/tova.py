@@ -25,7 +25,7 @@ class TOVAPress(FlooredScorerPress):
             its answer within it decode untouched.
     """
 
-    captures_step_queries: ClassVar[bool] = True  # `score_step` reads the step's query
+    reads_step_attention: ClassVar[bool] = True  # `score_step` reads the step's attention
 
     def prompt_tail(self) -> int:
         return 1  # the last prompt token's query
