@@ -151,7 +151,8 @@ def keeping_weights(name: str) -> str | None:
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)  # None: "eager" (each model has its own)
 
         def attention(module, query, key, value, attention_mask, keep_weights: bool = False, **kwargs):
-            if keep_weights and not module.training:
+            # (attention sinks, `s_aux`, which no model sparsekv serves has: the model's own, weights computed again)
+            if keep_weights and not module.training and kwargs.get("s_aux") is None:
                 return attention_with_weights(module, query, key, value, attention_mask, **kwargs)
             # (eager: the model's own function, from its modeling module, as its attention modules call it)
             own = inner or sys.modules[type(module).__module__].eager_attention_forward
