@@ -241,9 +241,8 @@ class SparseCache(CacheCopies, RowState, Cache):
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def keeps_weights(self) -> bool:
-        """Whether the forward's attention keeps its weights for the press (`after_layer`): a forward after the
-        prompt under a press that reads its attention (`Press.reads_step_attention`), where the model's attention
-        implementation can (`attention.keeping_weights`, which the hooks install, asked by them)."""
+        """Whether the forward's attention keeps its weights for the press (`attention.keeping_weights`): after
+        the prompt, under a press that reads them (`Press.reads_step_attention`)."""
         return self.press.reads_step_attention and not self.forward.first and self.pieces is None
 
     def after_layer(self, layer_idx: int, weights: torch.Tensor | None = None) -> None:
