@@ -165,28 +165,24 @@ def keeping_weights(name: str) -> str | None:
 
 def attention_with_weights(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, scaling: float | None = None,
-                           softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+                           **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention computed once, for its output and its weights: `(output (batch, q, heads, head_dim),
     weights (batch, heads, q, keys) float32)`, as transformers' attention functions return them.
 
-    The logits and softmax are float32 (the weights a press accumulates), the product with the values in their
-    dtype. `attention_mask` is boolean (True: attended) or additive, `(batch, 1 or heads, q, keys)`, or None."""
-    b, h, q, d = query.shape
+    The weights are `attention_probs`' (float32, as a press reads them), their product with the values in the
+    values' dtype. `attention_mask` is boolean (True: attended) or additive (eager's), `(batch, 1 or heads, q,
+    keys)`, or None."""
+    b, h, q, _ = query.shape
     h_kv = key.shape[1]
+    mask = attention_mask
+    if mask is not None:  # as `attention_probs` takes it: boolean, `(batch, kv_heads or 1, group or 1, q, keys)`
+        mask = mask[..., : key.shape[-2]]
+        mask = mask if mask.dtype == torch.bool else mask == 0
+        mask = mask.unflatten(1, (h_kv, -1)) if mask.shape[1] == h else mask[:, :, None]
     scaling = module.scaling if scaling is None else scaling
-    queries = as_float(query * scaling).reshape(b * h_kv, h // h_kv * q, d)  # query heads grouped by KV head
-    logits = torch.bmm(queries, as_float(key).flatten(0, 1).transpose(1, 2)).view(b, h, q, -1)
-    softcap = softcap if softcap is not None else getattr(module, "attn_logit_softcapping", None)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    if attention_mask is not None:
-        mask = attention_mask[..., : logits.shape[-1]]
-        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    weights = logits.softmax(dim=-1)
-    if attention_mask is not None:  # fully masked rows (padding queries) give NaN: zeros, as `attention_probs`
-        weights = weights.nan_to_num(0.0)
-    output = torch.bmm(weights.to(value.dtype).view(b * h_kv, h // h_kv * q, -1), value.flatten(0, 1))
-    return output.view(b, h, q, -1).transpose(1, 2).contiguous(), weights
+    weights = attention_probs(module, query * scaling, key, mask)  # (batch, kv_heads, group, q, keys)
+    output = torch.bmm(weights.to(value.dtype).view(b * h_kv, -1, weights.shape[-1]), value.flatten(0, 1))
+    return output.view(b, h, q, -1).transpose(1, 2).contiguous(), weights.view(b, h, q, -1)
 
 
 @dataclass
