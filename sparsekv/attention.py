@@ -94,10 +94,10 @@ def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: tor
     """Softmax attention `(batch, kv_heads, group, q, k)` in float32, query heads grouped by their KV head.
 
     `queries` are already multiplied by the module's scaling (`AttentionCall.queries(scaled=True)`).
-    `mask` is boolean, broadcastable to `(batch, kv_heads, 1, q, k - mask_from)`, True where attention is allowed, over
-    the keys from `mask_from` on: every query sees the keys before (a block of prompt queries without padding
-    masks only its own keys, one pass over the block's logits fewer). None: every query sees every key (a
-    decoding step on a cache of real tokens: no mask to build, nothing to check).
+    `mask` is boolean (True where attention is allowed) or additive, broadcastable to `(batch, kv_heads, group,
+    q, k - mask_from)`, over the keys from `mask_from` on: every query sees the keys before (a block of prompt
+    queries without padding masks only its own keys, one pass over the block's logits fewer). None: every query
+    sees every key (a decoding step on a cache of real tokens: no mask to build, nothing to check).
     """
     b, h_q, n_q, d = queries.shape
     h_kv = keys.shape[1]
@@ -110,7 +110,11 @@ def attention_probs(module, queries: torch.Tensor, keys: torch.Tensor, mask: tor
         logits = torch.tanh(logits / softcap) * softcap
     if mask is None:
         return logits.softmax(dim=-1)
-    (logits if mask_from == 0 else logits[..., mask_from:]).masked_fill_(~mask, float("-inf"))
+    seen = logits if mask_from == 0 else logits[..., mask_from:]
+    if mask.dtype == torch.bool:
+        seen.masked_fill_(~mask, float("-inf"))
+    else:  # additive: eager's, or a model's own (Doge's learned bias)
+        seen.add_(mask)
     probs = logits.softmax(dim=-1)
     # Fully masked rows (padding queries) give NaN: make them zeros (none can be when all see the keys before).
     # Unasked: one op, where asking whether there are any is three and a host read.
@@ -175,9 +179,8 @@ def attention_with_weights(module, query: torch.Tensor, key: torch.Tensor, value
     b, h, q, _ = query.shape
     h_kv = key.shape[1]
     mask = attention_mask
-    if mask is not None:  # as `attention_probs` takes it: boolean, `(batch, kv_heads or 1, group or 1, q, keys)`
+    if mask is not None:  # as `attention_probs` takes it: `(batch, kv_heads or 1, group or 1, q, keys)`
         mask = mask[..., : key.shape[-2]]
-        mask = mask if mask.dtype == torch.bool else mask == 0
         mask = mask.unflatten(1, (h_kv, -1)) if mask.shape[1] == h else mask[:, :, None]
     scaling = module.scaling if scaling is None else scaling
     weights = attention_probs(module, query * scaling, key, mask)  # (batch, kv_heads, group, q, keys)
