@@ -14,7 +14,9 @@ there. A compiled configuration's compile time is its first generation's time be
     python -m benchmarks.compiled_decode --model smollm2-135m --length 4096 --presses streamingllm,h2o,snapkv,chunkkv
     python -m benchmarks.compiled_decode --shape llama-3.1-8b --device cuda --length 32768 --batch 1,8
 
-On a CPU, transformers compiles only when told to (`CompileConfig._compile_all_devices`), which this does.
+On a CPU, transformers compiles only when told to (`CompileConfig._compile_all_devices`), which this does. The
+oracle compiles with transformers' `CompileConfig` (`--backend`, `--mode`), a press with the same through
+`sparsekv.compile_config` (inductor's options for its steps, what `compile=True` compiles with).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from transformers import CompileConfig, StaticCache
 from sparsekv.cli import placement, placement_args
 from sparsekv.cli.args import csv
 from sparsekv.environment import environment
+from sparsekv.generation import compile_config
 from sparsekv.evaluation.presses import make_press
 from sparsekv.models import load_model, load_tokenizer
 from sparsekv.presses.registry import split_specs
@@ -85,11 +88,12 @@ def configurations(model, ids: torch.Tensor, specs: list[str], ratio: float, new
             model, oracle_ids, new, StaticCache(config=model.config, max_cache_len=oracle_ids.shape[1] + new),
             config, clock),
     }
+    press_config = compile_config(config)  # the oracle's settings, with sparsekv's inductor options
     for spec in specs:
         def run(clock=None, spec=spec, compiled=False):
             press = make_press(spec, ratio=ratio, tokenizer=tokenizer)
             with dataclasses.replace(press, compile=compiled)(model):  # (room: generate's)
-                return generation(model, ids, new, None, config if compiled else None, clock)
+                return generation(model, ids, new, None, press_config if compiled else None, clock)
 
         runs[f"{spec} eager"] = run
         runs[f"{spec} compiled"] = lambda clock=None, run=run: run(clock, compiled=True)

@@ -30,7 +30,7 @@ _WHERE = {
     "ScorerPress": ".press", "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses",
     "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
     "SnapKVPress": ".presses", "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses",
-    "TOVAPress": ".presses", "make_press": ".presses", "registered": ".presses",
+    "TOVAPress": ".presses", "make_press": ".presses", "registered": ".presses", "compile_config": ".generation",
 }
 __all__ = sorted(_WHERE)
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .cache import SparseCache
     from .context import Context
     from .forward import Forward
+    from .generation import compile_config
     from .layers import KVLayer
     from .pipeline import SparseKVPipeline
     from .prefill import prefill_rows

@@ -19,7 +19,7 @@ from transformers import CompileConfig
 
 from sparsekv import (
     CHESSPress, ChunkPress, H2OPress, KeyDiffPress, KnormPress, SentencePress, SnapKVPress, StoreLayer,
-    StreamingLLMPress, TOVAPress,
+    StreamingLLMPress, TOVAPress, compile_config,
 )
 from sparsekv.layers import KVLayer
 from sparsekv.presses import chess
@@ -536,6 +536,32 @@ def test_the_compile_option_compiles_generate_called_as_without_it(press):
         torch._dynamo.reset()
     assert torch.equal(out.sequences, eager) and out.cache.compiled and graphs
     assert (config.cache_implementation, config.compile_config) == before
+
+
+def test_the_compile_option_compiles_with_the_models_config_and_sparsekvs_inductor_options():
+    """`compile=True` compiles with the model's own `compile_config` (transformers' default where it has none),
+    its mode given as the options it stands for, with inductor's `reorder_for_locality` off
+    (`sparsekv.compile_config`: on, it makes inductor copy each layer's values whole at every evicting step); the
+    model's config is as it was once the block ends. Options of one's own win; another backend is left as it is."""
+    model = make_model("llama")
+    config = model.generation_config
+    own = CompileConfig(dynamic=False, mode="max-autotune-no-cudagraphs")
+    config.compile_config = own
+    try:
+        with SnapKVPress(ratio=0.25, compile=True)(model):
+            inner = config.compile_config
+            assert inner.dynamic is False and inner.mode is None and inner.options == {
+                **torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), "reorder_for_locality": False}
+        assert config.compile_config is own
+    finally:
+        config.compile_config = None
+    assert own.mode == "max-autotune-no-cudagraphs" and own.options is None
+    default = compile_config()
+    assert default._compile_all_devices and default.mode is None
+    assert default.options == {"triton.cudagraphs": True, "reorder_for_locality": False}
+    mine = compile_config(CompileConfig(mode=None, options={"reorder_for_locality": True}))
+    assert mine.options == {"reorder_for_locality": True} and not mine._compile_all_devices
+    assert compile_config(CompileConfig(backend="eager")) == CompileConfig(backend="eager")
 
 
 def test_the_compile_option_is_refused_where_steps_cannot_compile():
