@@ -35,8 +35,8 @@ from transformers import CompileConfig, StaticCache
 from sparsekv.cli import placement, placement_args
 from sparsekv.cli.args import csv
 from sparsekv.environment import environment
-from sparsekv.generation import compile_config
 from sparsekv.evaluation.presses import make_press
+from sparsekv.generation import compile_config
 from sparsekv.models import load_model, load_tokenizer
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
