@@ -139,7 +139,8 @@ def model_implementation(name: str) -> str:
 
 
 def module_implementation(module) -> str:
-    """The model's own attention implementation at `module` (`model_implementation` of its config's)."""
+    """The model's own attention implementation at `module`, a model or one of its modules (`model_implementation`
+    of its config's)."""
     return model_implementation(module.config._attn_implementation)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..attention import model_implementation
+from ..attention import module_implementation
 from ..environment import environment
 from ..niah import build_needle_prompt
 from .timing import measure
@@ -80,7 +80,7 @@ def run_bench(model, tokenizer, lengths, presses=("snapkv", "h2o", "streamingllm
         meta = {"title": title, "threads": torch.get_num_threads(), "device": str(model.device),
                 "batch_sizes": list(batch_sizes), "ragged": ragged, "rows_apart": rows_apart,
                 "max_new_tokens": max_new_tokens, "repeats": repeats, "dtype": str(model.dtype).removeprefix("torch."),
-                "attn_implementation": model_implementation(model.config._attn_implementation),
+                "attn_implementation": module_implementation(model),
                 "environment": environment(model.device)}
         Path(json_path).write_text(json.dumps({**meta, "rows": rows}, indent=1))
     return rows

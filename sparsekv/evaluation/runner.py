@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..attention import model_implementation
+from ..attention import module_implementation
 from ..environment import environment
 from ..models import MODELS, auto_device, require, sha256_file
 from ..prefill import Prefill, generate_from
@@ -256,8 +256,7 @@ class Evaluator:
 
     def identity(self, run: Run) -> dict:
         model = self.model
-        return run_identity(self.config, run, model.dtype, model_implementation(model.config._attn_implementation),
-                            str(model.device))
+        return run_identity(self.config, run, model.dtype, module_implementation(model), str(model.device))
 
     def run_config(self, run: Run, n_samples: int, new_tokens: int) -> dict:
         c, identity = self.config, self.identity(run)
