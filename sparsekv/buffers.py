@@ -102,6 +102,13 @@ def step_state(t: torch.Tensor) -> None:
         torch._dynamo.mark_static(t, dim)
 
 
+def host_reads_free(device: torch.device) -> bool:
+    """Whether the host reads a value on `device` without waiting for it (a CPU): there a compiled cache may
+    decide between its steps, on the host, what its steps' graphs would otherwise compute at every step (CHESS's
+    selections); elsewhere a host read waits for the device."""
+    return device.type == "cpu"
+
+
 def first_true(mask: torch.Tensor) -> torch.Tensor:
     """The index of the first True along the last dimension of `mask`, or its size where there is none: a
     minimum over indices, not an `argmax` over booleans, which inductor compiles wrongly (pytorch/pytorch#174069,
@@ -230,8 +237,14 @@ class StepViews:
         """Write the `n` slots anew, in place: `new` maps "keys", "values", "positions" and "valid" to their
         contents (a working set gathered again at every step: a compiled CHESS cache's); the layer's tensors become
         `held`."""
-        # By index (`index_copy_` over the first n slots), as `write`: a copy into a view of the buffer made
-        # inductor write each layer's buffers into new ones and copy them back whole, at the end of every step.
+        # Compiled, by index (`index_copy_` over the first n slots), as `write`: a copy into a view of the buffer
+        # made inductor write each layer's buffers into new ones and copy them back whole, at the end of every step.
+        # Eagerly (between compiled steps, on a CPU), into the held views: one op a tensor.
+        if not torch.compiler.is_compiling():
+            for name, t in new.items():
+                self.held[name].copy_(t)
+            self.hold()
+            return
         for name, t in new.items():
             buffer = self.grown[name]
             dim = slot_dim(buffer)

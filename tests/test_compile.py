@@ -235,11 +235,12 @@ def test_a_compiled_chess_generation_counts_its_selections_as_an_eager_one(press
 
 
 @torch.no_grad()
-def test_a_compiled_chess_step_without_a_branch_decodes_as_the_eager_one(monkeypatch):
-    """Where a compiled CHESS step does not branch in its graph (a GPU's: `chess.branches_in_graph`), Algorithm 1
-    runs at every step and is taken in the rows whose trigger fires: the eager tokens and selections, on a
-    left-padded batch re-selecting every other step, in one graph with no branch."""
-    monkeypatch.setattr(chess, "branches_in_graph", lambda device: False)
+def test_a_compiled_chess_step_that_selects_in_its_graph_decodes_as_the_eager_one(monkeypatch):
+    """Where the host cannot read the device without a wait (a GPU's: `buffers.host_reads_free`), a compiled CHESS
+    step runs Algorithm 1 in its graph at every step, taken in the rows whose trigger fires, and gathers its
+    working context anew: the eager tokens and selections, on a left-padded batch re-selecting every other step,
+    in one graph with no branch."""
+    monkeypatch.setattr(chess, "host_reads_free", lambda device: False)
     press, (ids, mask), graphs = CHESS[1], left_padded(), []
     model = make_model("llama")
     torch._dynamo.reset()
@@ -252,7 +253,37 @@ def test_a_compiled_chess_step_without_a_branch_decodes_as_the_eager_one(monkeyp
         torch._dynamo.reset()
     assert torch.equal(compiled, eager)
     assert eager_cache.stats().counts["selections"] == compiled_cache_.stats().counts["selections"]
-    assert len(graphs) == 1 and not any(node.target is torch.ops.higher_order.cond for node in graphs[0].graph.nodes)
+    assert len(graphs) == 1 and gathers(graphs[0]) == 2 * make_model("llama").config.num_hidden_layers
+
+
+def gathers(gm) -> int:
+    """The graph's gathers from a layer's store (a layer gathering its keys and values makes two)."""
+    return sum(1 for node in gm.graph.nodes if getattr(node.target, "__name__", node.target) == "gather"
+               and "store" in getattr(node.args[0], "name", ""))
+
+
+@pytest.mark.parametrize("press", CHESS, ids=label)
+@torch.no_grad()
+def test_a_compiled_chess_step_on_a_cpu_gathers_nothing(press):
+    """On a CPU, a compiled CHESS step's graph gathers nothing from the stores: its token joins its layers'
+    working sets in a free slot, and the working context is gathered on the host between steps, when a selection
+    or the window changed it (`select_between_steps`): as often as an eager generation rebuilds it before a
+    step, the eager tokens."""
+    model, graphs = make_model("llama"), []
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            eager_cache, compiled_cache_ = press.make_cache(model), compiled_cache(model, press, new=12)
+            eager = greedy(model, prompt(64), None, new=12, cache=eager_cache)
+            compiled = greedy(model, prompt(64), None, new=12, cache=compiled_cache_,
+                              compile_config=counting_config(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    assert len(graphs) == 1 and gathers(graphs[0]) == 0
+    # (an eager generation also rebuilds it after its last step, when that step's trigger fires)
+    rebuilds = eager_cache.counts["rebuilds"]
+    assert 1 < compiled_cache_.counts["rebuilds"] and rebuilds - 1 <= compiled_cache_.counts["rebuilds"] <= rebuilds
 
 
 def generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple:
@@ -437,7 +468,7 @@ def test_a_step_builds_one_mask_and_finds_one_slot_per_layout(press, monkeypatch
         logits = model(step, cache=cache).logits
     assert calls["mask"] == len(layouts)
     if not press.holds_budget_while_decoding():  # (an evicting press's victims are its scores' in each layer)
-        assert calls["slot"] == (0 if isinstance(press, CHESSPress) else len(layouts))  # (CHESS: the store's room)
+        assert calls["slot"] == len(layouts)
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
     for ours, theirs in zip(cache.compressed_layers(), twin.compressed_layers()):
         assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.valid, theirs.valid)

@@ -9,22 +9,17 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..buffers import host_reads_free
 from ..cache import SparseCache
 from ..context import Context
 from ..press import Press
 from ..store import StoreLayer
-from .chess_levels import best, kept, masked_mean, top_covering, top_fraction
+from .chess_levels import best, masked_mean, top_covering, top_fraction
 from .chess_options import PRESETS, settle_options
 from .chess_pages import (
     CHESSState, accumulate, add_forward_keys, budget_retention, pad_columns, plan_steps, read_stores, take_back,
     working_context,
 )
-
-
-def branches_in_graph(device: torch.device) -> bool:
-    """Whether a compiled step on `device` branches to Algorithm 1 in its graph (`torch.cond`): on a CPU, where
-    reading the branch's condition costs no wait and no CUDA graph is lost."""
-    return device.type == "cpu"
 
 
 def uncertainty(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,12 +169,10 @@ class CHESSPress(Press):
         state, cache, forward = ctx.state, ctx.cache, ctx.forward
         first = state.selected is None
         prompt = first or forward.continues_prompt  # the first prompt or a continued one: read whole, selected for
-        # A compiled cache's step keeps its shapes and the addresses its graph holds: its state is written in place,
-        # its working context gathered at every step (`fresh` stays True).
+        # A compiled cache's step keeps its shapes and the addresses its graph holds: its state is written in place.
         in_place = cache.compiled and not prompt and state.page_sums is not None
-        if not in_place:
-            state.fresh = False  # the forward's layers gathered the last context
         if state.page_sums is None:
+            state.fresh = False
             return
         start = cache.on("prompt_start", state.page_sums.device)
         layer = cache.layers[next(iter(state.columns))]  # (every compressed layer holds the same tokens)
@@ -194,20 +187,22 @@ class CHESSPress(Press):
         else:
             state.steps += 1
             trigger = self.triggers(ctx.logits[:, -1], state.steps)
-        # Algorithm 1 when a row's trigger fires, taken in those rows: an eager step reads the trigger (its one read
-        # on the host); a compiled one on a CPU branches in its graph (`torch.cond`), so Algorithm 1 runs only then.
-        # On a GPU it runs at every step, taken where the trigger fires: inductor reads a branch's condition with a
-        # wait for the device and records no CUDA graph of a step that holds one (torch 2.13, `branches_in_graph`).
-        # (No attribute is set after the branch: dynamo 2.13 drops such writes from a frame that wrote one before it.)
-        reselects = self.reselect_every is not None or self.reselect != "never"
-        if in_place and reselects:
-            operands = (state.page_sums, lengths, state.most, trigger, state.selected)
-            if branches_in_graph(trigger.device):
-                state.selected.copy_(torch.cond(trigger.any(), self.reselected, kept, operands))
-            else:
-                state.selected.copy_(self.reselected(*operands))
+        if in_place and self.reselects:  # (counted here: the selection a trigger asks for is made before the next step)
             state.selections.add_(trigger)
-        reselect = not in_place and (prompt or reselects and bool(trigger.any()))
+        if in_place and host_reads_free(trigger.device):  # read before the next step, as an eager step's end reads
+            state.triggered.copy_(trigger)  # it (`begin_forward`)
+            return
+        if in_place:  # where a host read waits for the device: Algorithm 1 at every step, taken where the trigger
+            # fires, and the working context rewritten, in the step's graph (no branch: inductor reads a branch's
+            # condition with a wait for the device and records no CUDA graph of a step that holds one, torch 2.13)
+            if self.reselects:
+                state.selected.copy_(self.reselected(state.page_sums, lengths, state.most, trigger, state.selected))
+            width = state.context[0].shape[1] // self.page_stride  # (a size: a constant of the graph)
+            for old, new in zip(state.context[:2], working_context(self, state.selected, lengths, start, width)):
+                old.copy_(new)
+            return
+        # Eagerly, Algorithm 1 when a row's trigger fires, taken in those rows (the step's one read on the host).
+        reselect = prompt or self.reselects and bool(trigger.any())
         if reselect:
             if first:
                 state.selected = self.blocks_of(self.select(state.page_sums, lengths)[-1])
@@ -215,22 +210,43 @@ class CHESSPress(Press):
                 state.selected = self.reselected(state.page_sums, lengths, None if prompt else state.most, trigger,
                                                  state.selected)
             state.selections = trigger.long() if first else state.selections + trigger
-        width = None  # eagerly, the widest row's context; a compiled cache's fixed one, planned after its prompt
-        if cache.compiled and prompt:
-            width = plan_steps(self, cache, lengths)
-        elif in_place:  # rewritten at every step (its width a size: a constant of the graph, not an input)
-            width = state.context[0].shape[1] // self.page_stride
-            for old, new in zip(state.context[:2], working_context(self, state.selected, lengths, start, width)):
-                old.copy_(new)
-            return
+        width = plan_steps(self, cache, lengths) if cache.compiled and prompt else None  # a compiled cache's
         if not first:
             state.last_rope = ctx.plan
+        state.fresh = self.plan_context(cache, lengths, start, reselect, width)
+
+    def select_between_steps(self, cache: SparseCache) -> None:
+        """Before a compiled cache's step where the host reads the device without a wait (a CPU): what an eager
+        step's end does with the last step's trigger (`end_forward`), its rows' Algorithm 1 and the working
+        context, made on the host and gathered into the layers only when a selection or the window changes it,
+        instead of in every step's graph (whose layers then keep their working sets: `fresh` False)."""
+        state = cache.state
+        start = cache.on("prompt_start", state.page_sums.device)
+        lengths = cache.layers[next(iter(state.columns))].logical_len - start
+        reselect = self.reselects and bool(state.triggered.any())
+        if reselect:
+            state.selected.copy_(self.reselected(state.page_sums, lengths, state.most, state.triggered,
+                                                 state.selected))
+        if self.plan_context(cache, lengths, start, reselect, state.context[0].shape[1] // self.page_stride):
+            for i in state.columns:
+                cache.layers[i].gather_in_place(*state.context[:2])
+        state.fresh = False
+
+    def plan_context(self, cache: SparseCache, lengths: torch.Tensor, start: torch.Tensor, reselect: bool,
+                     width: int | None) -> bool:
+        """The next forward's working context (`state.context`), made anew when a selection or the window changed
+        it (the window slides when a page completes); `width`: a compiled cache's (`working_context`). Returns
+        whether it was."""
+        state = cache.state
+        layer = cache.layers[next(iter(state.columns))]
         # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
         complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(self.page_size, rounding_mode="floor")
-        if reselect or not torch.equal(complete, state.built_at):
-            state.context = working_context(self, state.selected, lengths, start, width)
-            state.built_at, state.fresh = complete, True
-            cache.counts["rebuilds"] += 1
+        if not reselect and torch.equal(complete, state.built_at):
+            return False
+        state.context = working_context(self, state.selected, lengths, start, width)
+        state.built_at = complete
+        cache.counts["rebuilds"] += 1
+        return True
 
     def reselected(self, page_sums: torch.Tensor, lengths: torch.Tensor, most: torch.Tensor | None,
                    trigger: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -249,6 +265,11 @@ class CHESSPress(Press):
             return torch.full((b,), self.reselect == "always", device=logits.device)
         entropy, varentropy = uncertainty(logits)
         return (entropy > self.entropy_threshold) & (varentropy > self.varentropy_threshold)
+
+    @property
+    def reselects(self) -> bool:
+        """Whether selections follow the prompt's: on the uncertainty trigger, at every step, or on a schedule."""
+        return self.reselect_every is not None or self.reselect != "never"
 
     @property
     def span(self) -> int:
@@ -347,8 +368,10 @@ class CHESSPress(Press):
                              "draft of several (assisted decoding, prompt lookup); make the cache without "
                              "compiled=True for them.")
         if forward.continues_prompt and state.selected is not None:  # read whole, selected for after it
-            state.reach = state.most = None  # (a compiled cache's steps are planned again after it)
+            state.reach = state.most = state.triggered = None  # (a compiled cache's steps are planned again after it)
             read_stores(cache)
+        elif state.triggered is not None and forward.q_len == 1 and host_reads_free(state.triggered.device):
+            self.select_between_steps(cache)
 
     def choose(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor, bool | None] | None:
         """The working context made after the last forward when it changed (`end_forward`; a compiled cache's at

@@ -8,12 +8,6 @@ import torch
 from torch import nn
 
 
-def kept(page_sums, lengths, most, trigger, selected: torch.Tensor) -> torch.Tensor:
-    """`CHESSPress.reselected`'s other branch, when no row's trigger fires: the last selection (a copy: a branch of
-    `torch.cond` returns no input)."""
-    return selected.clone()
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
     """Mean of `x` over `dim` where `mask` (x's shape without the last dimension) is True; 0 where none is."""
     weight = mask.to(x.dtype)[..., None]

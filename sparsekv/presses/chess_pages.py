@@ -7,11 +7,12 @@ Eager and compiled decoding steps run the same code (`CHESSPress.end_forward`); 
 what is fixed for the whole generation, planned once after its prompt: each layer's store has room for every
 token to come, the page sums and selection span every block a row can reach, and the working context has a
 fixed width, what a row can attend (the sink, window and partial pages, and the most blocks a selection can
-hold, `most_selected`; slots a row does not fill are masked). It is then rewritten in place and gathered anew
-(`StoreLayer.gather_in_place`) at every step, where an eager step gathers it when the window slides or a
-selection changes it and appends tokens in between: the same tokens attended, in the same order. Algorithm 1
-runs when a row's trigger fires, taken in those rows: a compiled step branches on the device (`torch.cond`), an
-eager one reads the trigger on the host."""
+hold, `most_selected`; slots a row does not fill are free, masked). A step's token takes the first free slot, where
+an eager step appends it: the same tokens attended, in the same order. An eager step reads its trigger on the host
+and runs Algorithm 1 when a row's fires, taken in those rows, and gathers its working context when the window
+slides or a selection changes it; so does a compiled cache on a CPU, between its steps (`select_between_steps`:
+the host reads the trigger without a wait there). Where a host read waits for the device, a compiled step runs
+Algorithm 1 at every step in its graph, taken where the trigger fires, and gathers its working context anew."""
 
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ class CHESSState(RowState):
         context: `(slots, valid, all_valid)`: `(batch, n)` store slots of the working context the next forward
             reads, which of them are real, and whether all are (`working_context`).
         fresh: whether the next forward's layers gather `context` (`CHESSPress.choose`): after a forward that
-            changed it; a compiled cache's every step, whose context is rewritten in place. Else a layer keeps its
-            working set and appends the step's token to it.
+            changed it; a compiled cache's every step where its graph rewrites it in place (not on a CPU). Else a
+            layer keeps its working set, and the step's token joins it.
         built_at: `(batch,)` complete pages when the working context was last built (the window slides when
             a page completes), on the CPU.
         steps: `(batch,)` decoding steps since the prompt (`reselect_every` counts them), on the device.
+        triggered: `(batch,)` a compiled cache's rows whose trigger fired at its last step, on a CPU, where the
+            next step's `select_between_steps` reads it (`plan_steps`; None on other caches).
         most, reach: a compiled cache's `(batch,)` most blocks a selection holds (`most_selected`) and the
             positions its steps may write (below `reach`: the prompt's and `max_new_tokens`), planned after its
             prompt (`plan_steps`; its working context's width is `context`'s); None on other caches.
@@ -63,6 +66,7 @@ class CHESSState(RowState):
     fresh: bool = False
     built_at: torch.Tensor | None = None
     steps: torch.Tensor | None = None
+    triggered: torch.Tensor | None = None
     most: torch.Tensor | None = None
     reach: torch.Tensor | None = None
     selections: torch.Tensor | None = None
@@ -216,6 +220,7 @@ def plan_steps(press, cache, lengths: torch.Tensor) -> int:
     state = cache.state
     positions = cache.layers[next(iter(state.columns))].logical_len + cache.max_new_tokens  # (ints, not symbols)
     state.reach = torch.full_like(lengths, positions)
+    state.triggered = torch.zeros_like(lengths, dtype=torch.bool)
     reachable = -(-positions // press.page_stride)  # blocks a row can reach
     n_blocks = max(reachable, state.page_sums.shape[1])
     state.page_sums = torch.nn.functional.pad(state.page_sums, (0, 0, 0, n_blocks - state.page_sums.shape[1]))
