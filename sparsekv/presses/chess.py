@@ -17,8 +17,8 @@ from ..store import StoreLayer
 from .chess_levels import best, masked_mean, top_covering, top_fraction
 from .chess_options import PRESETS, settle_options
 from .chess_pages import (
-    CHESSState, accumulate, add_forward_keys, budget_retention, pad_columns, plan_steps, read_stores, take_back,
-    working_context,
+    CHESSState, accumulate, add_forward_keys, budget_retention, pad_columns, plan_context, plan_steps, read_stores,
+    take_back, working_context,
 )
 
 
@@ -213,7 +213,7 @@ class CHESSPress(Press):
         width = plan_steps(self, cache, lengths) if cache.compiled and prompt else None  # a compiled cache's
         if not first:
             state.last_rope = ctx.plan
-        state.fresh = self.plan_context(cache, lengths, start, reselect, width)
+        state.fresh = plan_context(self, cache, lengths, start, reselect, width)
 
     def select_between_steps(self, cache: SparseCache) -> None:
         """Before a compiled cache's step where the host reads the device without a wait (a CPU): what an eager
@@ -227,26 +227,10 @@ class CHESSPress(Press):
         if reselect:
             state.selected.copy_(self.reselected(state.page_sums, lengths, state.most, state.triggered,
                                                  state.selected))
-        if self.plan_context(cache, lengths, start, reselect, state.context[0].shape[1] // self.page_stride):
+        if plan_context(self, cache, lengths, start, reselect, state.context[0].shape[1] // self.page_stride):
             for i in state.columns:
                 cache.layers[i].gather_in_place(*state.context[:2])
         state.fresh = False
-
-    def plan_context(self, cache: SparseCache, lengths: torch.Tensor, start: torch.Tensor, reselect: bool,
-                     width: int | None) -> bool:
-        """The next forward's working context (`state.context`), made anew when a selection or the window changed
-        it (the window slides when a page completes); `width`: a compiled cache's (`working_context`). Returns
-        whether it was."""
-        state = cache.state
-        layer = cache.layers[next(iter(state.columns))]
-        # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
-        complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(self.page_size, rounding_mode="floor")
-        if not reselect and torch.equal(complete, state.built_at):
-            return False
-        state.context = working_context(self, state.selected, lengths, start, width)
-        state.built_at = complete
-        cache.counts["rebuilds"] += 1
-        return True
 
     def reselected(self, page_sums: torch.Tensor, lengths: torch.Tensor, most: torch.Tensor | None,
                    trigger: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,22 @@ def working_context(press, selected: torch.Tensor, lengths: torch.Tensor, prompt
     return slots, valid, False if fixed else bool(valid.all())
 
 
+def plan_context(press, cache, lengths: torch.Tensor, start: torch.Tensor, reselect: bool, width: int | None) -> bool:
+    """The next forward's working context (`state.context`), made anew when a selection or the window changed it
+    (the window slides when a page completes); `width`: a compiled cache's (`working_context`). Returns whether it
+    was."""
+    state = cache.state
+    layer = cache.layers[next(iter(state.columns))]
+    # Complete pages per row, from the host's copy of the row starts: compared without a wait for the device.
+    complete = (layer.logical_len - cache.on("prompt_start", "cpu")).div(press.page_size, rounding_mode="floor")
+    if not reselect and torch.equal(complete, state.built_at):
+        return False
+    state.context = working_context(press, state.selected, lengths, start, width)
+    state.built_at = complete
+    cache.counts["rebuilds"] += 1
+    return True
+
+
 def read_stores(cache) -> None:
     """A continued prompt (a question asked of a compressed context) reads every token, as the first prompt did,
     and is selected for after it: the layers read their stores, before transformers builds the forward's mask."""
