@@ -170,10 +170,10 @@ class StoreLayer(KVLayer):
             self.make_step_room()
             return
         b, h = self.store_keys.shape[:2]
+        keys, values = at_slots(slots, self.store_keys, self.store_values)
         self._views.rewrite(self, {  # (slot = position in a store that records every token)
             "positions": slots[:, None, :].expand(b, h, -1), "valid": valid[:, None, :],
-            **dict(zip(("keys", "values"), (t.to(self.device) for t in at_slots(slots, self.store_keys,
-                                                                                 self.store_values))))})
+            "keys": keys.to(self.device), "values": values.to(self.device)})
 
     def last_keys(self, q: int) -> torch.Tensor:
         """The keys `(batch, kv_heads, q, head_dim)` of the last forward's `q` tokens, read where they are: a

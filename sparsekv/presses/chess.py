@@ -187,14 +187,15 @@ class CHESSPress(Press):
         else:
             state.steps += 1
             trigger = self.triggers(ctx.logits[:, -1], state.steps)
-        if in_place and self.reselects:  # (counted here: the selection a trigger asks for is made before the next step)
-            state.selections.add_(trigger)
-        if in_place and host_reads_free(trigger.device):  # read before the next step, as an eager step's end reads
-            state.triggered.copy_(trigger)  # it (`begin_forward`)
-            return
-        if in_place:  # where a host read waits for the device: Algorithm 1 at every step, taken where the trigger
-            # fires, and the working context rewritten, in the step's graph (no branch: inductor reads a branch's
-            # condition with a wait for the device and records no CUDA graph of a step that holds one, torch 2.13)
+        if in_place:
+            if self.reselects:  # (counted here: the selection a trigger asks for is made before the next step)
+                state.selections.add_(trigger)
+            if host_reads_free(trigger.device):  # read before the next step, as an eager step's end reads it
+                state.triggered.copy_(trigger)  # (`begin_forward`)
+                return
+            # Where a host read waits for the device: Algorithm 1 at every step, taken where the trigger fires, and
+            # the working context rewritten, in the step's graph (no branch: inductor reads a branch's condition
+            # with a wait for the device and records no CUDA graph of a step that holds one, torch 2.13).
             if self.reselects:
                 state.selected.copy_(self.reselected(state.page_sums, lengths, state.most, trigger, state.selected))
             width = state.context[0].shape[1] // self.page_stride  # (a size: a constant of the graph)
