@@ -241,13 +241,12 @@ class StoreLayer(KVLayer):
         buffers["positions"].index_copy_(2, region, positions)
 
     def _load(self, row: torch.Tensor, head: torch.Tensor, slot: torch.Tensor, target: torch.Tensor,
-              rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """This layer's part of `load_layers`; `rows`: the slots' keys and values `(n, d)` on this layer's device,
-        when `load_layers` gathered them from an offloaded store; None: read from the store here."""
-        if rows is None:
-            rows = self.store_keys[row, head, slot], self.store_values[row, head, slot]
-        self.keys[row, head, target], self.values[row, head, target] = rows
-        self.positions[row, head, target] = self.store_positions[row, slot]
+              keys: torch.Tensor, values: torch.Tensor) -> None:
+        """This layer's part of `load_layers`: the store slots `(row, head, slot)`, whose rows `keys`, `values`
+        `(n, d)` were read onto this layer's device, into its working-set slots `(row, head, target)`."""
+        self.keys.index_put_((row, head, target), keys)
+        self.values.index_put_((row, head, target), values)
+        self.positions.index_put_((row, head, target), self.store_positions[row, slot])
 
     def crop_to(self, length: int) -> None:
         if self.is_initialized and length < self.logical_len and self.records_tokens and not self.compressed:
@@ -277,14 +276,14 @@ class StoreLayer(KVLayer):
 def load_layers(layers: list[StoreLayer], rank: torch.Tensor | None, row: torch.Tensor, head: torch.Tensor,
                 slot: torch.Tensor, target: torch.Tensor) -> None:
     """Copy store slots `(row, head, slot)` `(n,)` into working-set slots `target` of the same row and head, in the
-    layers `layers[rank]` (`rank` `(n,)` sorted; None: every one in `layers[0]`). One gather from a store and
-    one write per tensor and layer, every head at once. An offloaded store's rows for every loading layer are
-    gathered into one pinned buffer: one copy to the device per tensor (on a GPU one wait), not one a layer; the
-    layers' shares are counted where the store is, without waiting for the device."""
+    layers `layers[rank]` (`rank` `(n,)` sorted; None: every one in `layers[0]`). One `index_select` from a store
+    and one write per tensor and layer, every head at once, by an index into the store's rows (`flat_index`)
+    made once for every layer. An offloaded store's rows for every loading layer are gathered into one pinned
+    buffer: one copy to the device per tensor (on a GPU one wait), not one a layer; the layers' shares are
+    counted where the store is, without waiting for the device."""
     store = layers[0].store_keys  # every layer's has the same shape
-    elsewhere = offloaded(store, row.device)
-    if elsewhere:  # the rows' flat index to the store's device, with the layer ranks when given: one copy
-        index = flat_index(store, row, head, slot)
+    index = flat_index(store, row, head, slot)
+    if offloaded(store, row.device):  # the index to the store's device, with the layer ranks when given: one copy
         if rank is None:
             index = index.to(store.device)
         else:
@@ -292,13 +291,10 @@ def load_layers(layers: list[StoreLayer], rank: torch.Tensor | None, row: torch.
     counts = [slot.numel()] if rank is None else torch.bincount(rank, minlength=len(layers)).tolist()
     ranks = [i for i, count in enumerate(counts) if count]
     loading, sizes = [layers[i] for i in ranks], [counts[i] for i in ranks]
-    rows = [None] * len(sizes)
-    if elsewhere:
-        index = index.split(sizes)
-        keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
-                        .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
-        rows = list(zip(keys, values))
-    for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), rows):
+    index = index.split(sizes)
+    keys, values = (gather_rows([getattr(layer, name) for layer in loading], index)
+                    .to(row.device, non_blocking=True).split(sizes) for name in ("store_keys", "store_values"))
+    for layer, *part in zip(loading, *(t.split(sizes) for t in (row, head, slot, target)), keys, values):
         layer._load(*part)  # each layer's part of the indices (one `split` each, not a slice per layer)
 
 

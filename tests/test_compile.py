@@ -22,7 +22,7 @@ from sparsekv import (
     StreamingLLMPress, TOVAPress, compile_config,
 )
 from sparsekv.layers import KVLayer
-from sparsekv.presses import chess
+from sparsekv.presses import chess, sentencekv
 
 PRESSES = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, window_size=1),
            SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4),
@@ -319,11 +319,25 @@ def test_a_compiled_sentencekv_generation_counts_its_loads_as_an_eager_one(press
 
 @pytest.mark.parametrize("press", SENTENCE, ids=label)
 @torch.no_grad()
-def test_a_compiled_sentencekv_cache_holds_its_loaded_slots_in_order_of_position(press):
-    """A compiled cache stores no `device_slot` (which working-set slot holds each loaded store slot): its loaded
-    region holds the resident store slots in order of position, each at the count of those before it, in every
-    layer, row and head, after steps whose selections changed."""
-    _, cache = generations(press, *left_padded())
+def test_a_compiled_sentencekv_step_that_loads_in_its_graph_holds_its_loaded_slots_in_order_of_position(
+        press, monkeypatch):
+    """Where a step finds its loads in its graph (ranking at each layer, or where the host cannot read the device
+    without a wait: a GPU's, `buffers.host_reads_free`), it writes each layer's whole loaded region and stores no
+    `device_slot`: the region holds the resident store slots in order of position, each at the count of those
+    before it, in every layer, row and head, after steps whose selections changed; the eager tokens."""
+    monkeypatch.setattr(sentencekv, "host_reads_free", lambda device: False)
+    (ids, mask), graphs = left_padded(), []
+    model = make_model("llama")
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            eager_cache, cache = press.make_cache(model), compiled_cache(model, press)
+            eager = greedy(model, ids, mask, new=8, cache=eager_cache)
+            compiled = greedy(model, ids, mask, new=8, cache=cache, compile_config=counting_config(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    assert len(graphs) == 1 and gathers(graphs[0]) == 3 * model.config.num_hidden_layers  # keys, values, positions
     assert cache.stats().counts["loaded_tokens"] > 0
     for stack in cache.state.stacks:
         assert stack.device_slot is None
@@ -332,6 +346,27 @@ def test_a_compiled_sentencekv_cache_holds_its_loaded_slots_in_order_of_position
             for row, head in itertools.product(*map(range, layer.positions.shape[:2])):
                 loaded = layer.store_positions[row][stack.resident[row, rank, head].bool()]
                 assert torch.equal(layer.positions[row, head, :len(loaded)], loaded)
+
+
+@torch.no_grad()
+def test_a_compiled_sentencekv_step_on_a_cpu_gathers_nothing():
+    """On a CPU, a compiled SentenceKV step ranking every layer when it begins (the default) leaves the ranking
+    and the loads to the host, before the step, as an eager step makes them (`begin_forward`): only the tokens
+    entering a selection are copied, its graph gathers nothing from the stores, and the tokens are the eager ones."""
+    press, (ids, mask), graphs = SENTENCE[0], left_padded(), []
+    model = make_model("llama")
+    torch._dynamo.reset()
+    try:
+        with press(model):
+            eager_cache, cache = press.make_cache(model), compiled_cache(model, press)
+            eager = greedy(model, ids, mask, new=8, cache=eager_cache)
+            compiled = greedy(model, ids, mask, new=8, cache=cache, compile_config=counting_config(graphs))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    assert len(graphs) == 1 and gathers(graphs[0]) == 0
+    assert all(stack.device_slot is not None for stack in cache.state.stacks)
+    assert cache.stats().counts["loaded_tokens"] == eager_cache.stats().counts["loaded_tokens"] > 0
 
 
 @pytest.mark.parametrize("press", [StreamingLLMPress(budget=68, window_size=1),

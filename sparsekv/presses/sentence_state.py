@@ -100,9 +100,10 @@ class LayerStack(RowState):
             inductor's CPU code moves a bool tensor some 50 times slower than a byte one (torch 2.13; a compiled
             step writes this one whole).
         device_slot: `(batch, layers, kv_heads, R)` the working-set slot of each loaded store slot, where loads
-            copy only the tokens that enter; None on a compiled cache, whose loaded region holds the resident
-            slots in order of position, so that a slot's place is a count of those before it
-            (`sentence_step.load_region`) and is never stored.
+            copy only the tokens that enter (found on the host); None where a compiled step finds its loads in
+            its graph (`SentencePress.loads_in_graph`): its loaded region holds the resident slots in order of
+            position, so that a slot's place is a count of those before it (`sentence_step.load_region`) and is
+            never stored.
         step_queries: the last forward's queries, per rank `(batch, kv_heads, q, head_dim)` (kept for `crop`).
         before_reset: `query_sum` before a sentence end zeroed it, for `crop`.
         counts: `(batch, 3)` each row's ranking events (`COUNTED`), counted on the device (`sentence_step.count`).

@@ -1,6 +1,8 @@
 """SentenceKV's executor: which store tokens enter a layer's working set (`load`), and `rank_at="step"`,
-which ranks and loads every layer's sentences at once when a step begins (`rank_step`), over the stack of their
-states (`LayerStack`). The algorithm it executes is `sparsekv.presses.sentencekv`'s."""
+which ranks and loads every layer's sentences at once before a step (`rank_step`), over the stack of their
+states (`LayerStack`): on the host, copying only the tokens entering (`load_all`), or, where a compiled step
+cannot read the host without a wait, in its graph, writing whole loaded regions (`load_region`). The algorithm
+it executes is `sparsekv.presses.sentencekv`'s."""
 
 from __future__ import annotations
 
@@ -53,17 +55,19 @@ def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bo
         device_slot[row, head, slot] = target
 
 
-def rank_step(press, cache: SparseCache) -> None:
+def rank_step(press, cache: SparseCache, stacks: list[LayerStack]) -> None:
     """Rank and load every compressed layer's sentences for the forward about to run, from the sums of the
-    queries so far (`rank_at="step"`): one stack at a time (one per device)."""
-    for stack in cache.state.stacks:
+    queries so far (`rank_at="step"`): one stack of `stacks` (of `cache.state`'s) at a time (one per device). A
+    stack with `device_slot` loads the tokens entering (`load_all`, found on the host), one without writes its
+    whole loaded regions (`load_region`, in a compiled step's graph)."""
+    for stack in stacks:
         chosen = press.chosen(stack)
         # A row whose sentence has no token yet (just ended; or `prompt_sentence=False`) keeps its selection.
         empty = (stack.query_sum == 0).flatten(1).all(1)
         chosen = torch.where(empty[:, None, None, None], stack.resident, chosen)
         count(stack, chosen, stack.resident)
         layers = [cache.layers[i] for i in stack.ranks]  # in rank order
-        if cache.compiled:
+        if stack.device_slot is None:
             load_region(layers, chosen, stack.resident)
         else:
             load_all(layers, stack, chosen)

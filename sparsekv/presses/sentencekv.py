@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..attention import rotate
+from ..buffers import host_reads_free
 from ..cache import SparseCache
 from ..context import Context
 from ..options import check_number
@@ -35,9 +36,10 @@ class SentencePress(SnapKVPress):
     Decoding (sec. 4.2, Algorithm 1): the queries of the sentence being generated are summed (eq. 2, reset after a
     token that ends a sentence), the query heads of each GQA group together; per KV head the sentences are ranked
     by their score against that query, and the tokens of the best ones are loaded until tau (the last sentence
-    taken cut at its first tokens). Only tokens entering the selection are copied (compiled, `compile=True`, a
-    step writes its whole loaded region: it cannot find which changed without reading the host). Attention reads
-    the sinks, the loaded tokens, the recent window and the generated tokens.
+    taken cut at its first tokens). Only tokens entering the selection are copied, found on the host before the
+    step (a compiled step on a GPU, where a host read waits for the device, writes its whole loaded region
+    instead: `loads_in_graph`). Attention reads the sinks, the loaded tokens, the recent window and the generated
+    tokens.
 
     Where sparsekv departs from the paper, each one option away (`max_sentence_tokens=128,
     sentence_vector="mean", rank_at="layer"` is the paper's eq. 1 and Algorithm 1; their measured effect:
@@ -85,7 +87,7 @@ class SentencePress(SnapKVPress):
     sentence_vector: str = "bounds"
     rank_at: str = "step"
     reads_input_ids: ClassVar[bool] = True
-    compiled_decoding: ClassVar[bool] = True  # its loads fixed-width on a compiled cache (`sentence_step.load_region`)
+    compiled_decoding: ClassVar[bool] = True  # loads on the host, or fixed-width in the graph (`loads_in_graph`)
     joins_rows: ClassVar[bool] = True  # stores and sentences padded per row (`StoreLayer.joined`, the state's)
     paper_name: ClassVar[str] = "SentenceKV"
 
@@ -146,6 +148,15 @@ class SentencePress(SnapKVPress):
         state.step_ids = forward.input_ids
         for stack in state.stacks:  # this forward's queries, kept for `crop`
             stack.step_queries = [None] * len(stack.ranks)
+        if self.rank_at == "step":  # the stacks whose loads the host finds (`loads_in_graph`; none at the prompt)
+            rank_step(self, ctx.cache, [stack for stack in state.stacks if stack.device_slot is not None])
+
+    def loads_in_graph(self, cache: SparseCache, device: torch.device) -> bool:
+        """Whether a step finds the tokens entering a layer's selection in its graph, by writing the whole loaded
+        region (`sentence_step.load_region`): a compiled cache's where a host read waits for the device (a GPU),
+        or ranking at each layer. Else the loads are found on the host (`sentence_step.load_all`), which copies only
+        the tokens entering; with `rank_at="step"`, before the step (`begin_forward`, on a compiled cache too)."""
+        return cache.compiled and (self.rank_at == "layer" or not host_reads_free(device))
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def compress(self, ctx: Context) -> None:
@@ -195,7 +206,8 @@ class SentencePress(SnapKVPress):
             ctx.layer_idx, query_sum=query_sum, sentence_keys=sentence_keys, sentence_sizes=sizes,
             slot_sentence=slot_sentence, slot_room=loading_room(slot_sentence[:, :1], sizes, fill),
             resident=torch.zeros(b, h, r, dtype=torch.uint8, device=device),
-            device_slot=None if ctx.cache.compiled else torch.zeros(b, h, r, dtype=torch.long, device=device))
+            device_slot=None if self.loads_in_graph(ctx.cache, device) else torch.zeros(b, h, r, dtype=torch.long,
+                                                                                      device=device))
         # A complete cache from the start: the sentences best for the prompt's unfinished one (or the first ones).
         load(layer, stack, rank, self.chosen(stack.at(rank)), first=True)
 
@@ -267,14 +279,15 @@ class SentencePress(SnapKVPress):
 
     # --- decoding --------------------------------------------------------------------------------------------
     def choose(self, ctx: Context) -> None:
-        """`rank_at="step"`: at a forward's first compressed layer, before its mask, every layer's sentences ranked
-        and loaded with the queries before this forward (`rank_step`), inside a compiled step's graph; each layer
-        then reads its working set as it holds it (None). (Not when the core plans a compiled cache's steps,
+        """`rank_at="step"` where a step finds its loads in its graph (`loads_in_graph`): at a forward's first
+        compressed layer, before its mask, every layer's sentences ranked and loaded with the queries before this
+        forward (`rank_step`); elsewhere that was done before the forward (`begin_forward`). Each layer then reads
+        its working set as it holds it (None). (Not when the core plans a compiled cache's steps,
         `SparseCache.ready_for_steps`, which runs no layer: `ctx.call` None.)"""
         state = ctx.state
         if self.rank_at == "step" and ctx.call is not None and state.stacks and \
                 next(iter(state.stacks[0].ranks)) == ctx.layer_idx:
-            rank_step(self, ctx.cache)
+            rank_step(self, ctx.cache, [stack for stack in state.stacks if stack.device_slot is None])
         return None
 
     def on_queries(self, ctx: Context) -> None:
