@@ -241,16 +241,8 @@ def test_a_compiled_chess_step_that_selects_in_its_graph_decodes_as_the_eager_on
     working context anew: the eager tokens and selections, on a left-padded batch re-selecting every other step,
     in one graph with no branch."""
     monkeypatch.setattr(chess, "host_reads_free", lambda device: False)
-    press, (ids, mask), graphs = CHESS[1], left_padded(), []
-    model = make_model("llama")
-    torch._dynamo.reset()
-    try:
-        with press(model):
-            eager_cache, compiled_cache_ = press.make_cache(model), compiled_cache(model, press)
-            eager = greedy(model, ids, mask, new=8, cache=eager_cache)
-            compiled = greedy(model, ids, mask, new=8, cache=compiled_cache_, compile_config=counting_config(graphs))
-    finally:
-        torch._dynamo.reset()
+    graphs = []
+    eager, compiled, eager_cache, compiled_cache_ = generations(CHESS[1], *left_padded(), graphs=graphs)
     assert torch.equal(compiled, eager)
     assert eager_cache.stats().counts["selections"] == compiled_cache_.stats().counts["selections"]
     assert len(graphs) == 1 and gathers(graphs[0]) == 2 * make_model("llama").config.num_hidden_layers
@@ -269,16 +261,8 @@ def test_a_compiled_chess_step_on_a_cpu_gathers_nothing(press):
     working sets in a free slot, and the working context is gathered on the host between steps, when a selection
     or the window changed it (`select_between_steps`): as often as an eager generation rebuilds it before a
     step, the eager tokens."""
-    model, graphs = make_model("llama"), []
-    torch._dynamo.reset()
-    try:
-        with press(model):
-            eager_cache, compiled_cache_ = press.make_cache(model), compiled_cache(model, press, new=12)
-            eager = greedy(model, prompt(64), None, new=12, cache=eager_cache)
-            compiled = greedy(model, prompt(64), None, new=12, cache=compiled_cache_,
-                              compile_config=counting_config(graphs))
-    finally:
-        torch._dynamo.reset()
+    graphs = []
+    eager, compiled, eager_cache, compiled_cache_ = generations(press, prompt(64), None, new=12, graphs=graphs)
     assert torch.equal(compiled, eager)
     assert len(graphs) == 1 and gathers(graphs[0]) == 0
     # (an eager generation also rebuilds it after its last step, when that step's trigger fires)
@@ -286,23 +270,26 @@ def test_a_compiled_chess_step_on_a_cpu_gathers_nothing(press):
     assert 1 < compiled_cache_.counts["rebuilds"] and rebuilds - 1 <= compiled_cache_.counts["rebuilds"] <= rebuilds
 
 
-def generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple:
-    """The press's caches after a greedy generation of 8 tokens, eager and compiled."""
+def generations(press, ids: torch.Tensor, mask: torch.Tensor | None, new: int = 8,
+                graphs: list | None = None) -> tuple:
+    """Greedy generations of `new` tokens under `press`, eager then compiled (its graphs into `graphs`):
+    `(eager tokens, compiled tokens, eager cache, compiled cache)`."""
     model = make_model("llama")
     torch._dynamo.reset()
     try:
         with press(model):
-            eager, compiled = press.make_cache(model), compiled_cache(model, press)
-            greedy(model, ids, mask, new=8, cache=eager)
-            greedy(model, ids, mask, new=8, cache=compiled, compile_config=counting_config())
+            eager_cache, compiled_cache_ = press.make_cache(model), compiled_cache(model, press, new)
+            eager = greedy(model, ids, mask, new=new, cache=eager_cache)
+            compiled = greedy(model, ids, mask, new=new, cache=compiled_cache_,
+                              compile_config=counting_config(graphs))
     finally:
         torch._dynamo.reset()
-    return eager, compiled
+    return eager, compiled, eager_cache, compiled_cache_
 
 
 def counted_generations(press, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[dict, dict]:
     """The press's event counts (`stats().counts`) after a greedy generation of 8 tokens, eager and compiled."""
-    return tuple(cache.stats().counts for cache in generations(press, ids, mask))
+    return tuple(cache.stats().counts for cache in generations(press, ids, mask)[2:])
 
 
 @pytest.mark.parametrize("press", SENTENCE, ids=label)
@@ -326,18 +313,11 @@ def test_a_compiled_sentencekv_step_that_loads_in_its_graph_holds_its_loaded_slo
     `device_slot`: the region holds the resident store slots in order of position, each at the count of those
     before it, in every layer, row and head, after steps whose selections changed; the eager tokens."""
     monkeypatch.setattr(sentencekv, "host_reads_free", lambda device: False)
-    (ids, mask), graphs = left_padded(), []
-    model = make_model("llama")
-    torch._dynamo.reset()
-    try:
-        with press(model):
-            eager_cache, cache = press.make_cache(model), compiled_cache(model, press)
-            eager = greedy(model, ids, mask, new=8, cache=eager_cache)
-            compiled = greedy(model, ids, mask, new=8, cache=cache, compile_config=counting_config(graphs))
-    finally:
-        torch._dynamo.reset()
+    graphs = []
+    eager, compiled, _, cache = generations(press, *left_padded(), graphs=graphs)
     assert torch.equal(compiled, eager)
-    assert len(graphs) == 1 and gathers(graphs[0]) == 3 * model.config.num_hidden_layers  # keys, values, positions
+    layers = make_model("llama").config.num_hidden_layers
+    assert len(graphs) == 1 and gathers(graphs[0]) == 3 * layers  # keys, values and positions
     assert cache.stats().counts["loaded_tokens"] > 0
     for stack in cache.state.stacks:
         assert stack.device_slot is None
@@ -353,16 +333,8 @@ def test_a_compiled_sentencekv_step_on_a_cpu_gathers_nothing():
     """On a CPU, a compiled SentenceKV step ranking every layer when it begins (the default) leaves the ranking
     and the loads to the host, before the step, as an eager step makes them (`begin_forward`): only the tokens
     entering a selection are copied, its graph gathers nothing from the stores, and the tokens are the eager ones."""
-    press, (ids, mask), graphs = SENTENCE[0], left_padded(), []
-    model = make_model("llama")
-    torch._dynamo.reset()
-    try:
-        with press(model):
-            eager_cache, cache = press.make_cache(model), compiled_cache(model, press)
-            eager = greedy(model, ids, mask, new=8, cache=eager_cache)
-            compiled = greedy(model, ids, mask, new=8, cache=cache, compile_config=counting_config(graphs))
-    finally:
-        torch._dynamo.reset()
+    graphs = []
+    eager, compiled, eager_cache, cache = generations(SENTENCE[0], *left_padded(), graphs=graphs)
     assert torch.equal(compiled, eager)
     assert len(graphs) == 1 and gathers(graphs[0]) == 0
     assert all(stack.device_slot is not None for stack in cache.state.stacks)
