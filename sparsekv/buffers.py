@@ -105,7 +105,7 @@ def step_state(t: torch.Tensor) -> None:
 def host_reads_free(device: torch.device) -> bool:
     """Whether the host reads a value on `device` without waiting for it (a CPU): there a compiled cache may
     decide between its steps, on the host, what its steps' graphs would otherwise compute at every step (CHESS's
-    selections); elsewhere a host read waits for the device."""
+    selections, SentenceKV's loads); elsewhere a host read waits for the device."""
     return device.type == "cpu"
 
 

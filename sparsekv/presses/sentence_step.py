@@ -14,21 +14,21 @@ from .sentence_state import LayerStack
 
 
 def load(layer, stack: LayerStack, rank: int, chosen: torch.Tensor, one_read: bool | None = None,
-         first: bool = False, in_place: bool = False) -> None:
+         first: bool = False) -> None:
     """Make the store slots `chosen` `(b, h, R)` the loaded ones of the layer at `rank` in `stack`, copying only
-    those not resident yet (one gather from the store and one write per tensor, every head at once); `in_place`
-    (a compiled cache's), the whole loaded region (`load_region`). `first`: at compress, the loaded region is
-    free and the chosen slots fill it from the front (uncounted).
+    those not resident yet (one gather from the store and one write per tensor, every head at once); in a stack
+    without `device_slot` (a compiled step that loads in its graph), the whole loaded region (`load_region`).
+    `first`: at compress, the loaded region is free and the chosen slots fill it from the front (uncounted).
 
     Each entering token takes the device slot of one that leaves: every head holds `fill` chosen slots, so
     per head as many leave as enter and, listed in the same (row, head) order, they pair up. Attention does
     not care about slot order (keys carry their RoPE), so the loaded region needs none.
     """
     resident = stack.resident[:, rank]  # views: written in place
-    device_slot = None if stack.device_slot is None else stack.device_slot[:, rank]  # (None: a compiled cache's)
+    device_slot = None if stack.device_slot is None else stack.device_slot[:, rank]  # (None: loads in the graph)
     if not first:
         count(stack, chosen[:, None], resident[:, None])
-    if in_place and not first:
+    if device_slot is None and not first:
         load_region([layer], chosen[:, None], resident[:, None])
         return
     if one_read is None:  # on a CPU a host read costs an op; on a GPU each waits for the device to drain

@@ -304,7 +304,7 @@ class SentencePress(SnapKVPress):
         stack.step_queries[rank], stack.before_reset = queries, None  # kept for `crop`, no copy
         if self.rank_at == "step":  # ranked and loaded when the step began, with the queries before it
             return
-        load(ctx.layer, stack, rank, self.chosen(stack.at(rank)), in_place=ctx.cache.compiled)  # Algorithm 1
+        load(ctx.layer, stack, rank, self.chosen(stack.at(rank)))  # Algorithm 1
 
     @staticmethod
     def similarity(state) -> torch.Tensor:
