@@ -30,7 +30,8 @@ _WHERE = {
     "ScorerPress": ".press", "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses",
     "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
     "SnapKVPress": ".presses", "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses",
-    "TOVAPress": ".presses", "make_press": ".presses", "registered": ".presses", "compile_config": ".generation",
+    "TOVAPress": ".presses", "AdaKVPress": ".presses",
+    "PyramidKVPress": ".presses", "make_press": ".presses", "registered": ".presses", "compile_config": ".generation",
 }
 __all__ = sorted(_WHERE)
 
@@ -59,12 +60,14 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .prefill import prefill_rows
     from .press import Press, ScorerPress
     from .presses import (
+        AdaKVPress,
         CHESSPress,
         ChunkKVPress,
         ChunkPress,
         H2OPress,
         KeyDiffPress,
         KnormPress,
+        PyramidKVPress,
         SentenceKVPress,
         SentencePress,
         SnapKVPress,

@@ -18,8 +18,8 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from sparsekv import (
-    CHESSPress, ChunkPress, H2OPress, KeyDiffPress, KnormPress, SentencePress, SnapKVPress, StoreLayer,
-    StreamingLLMPress, TOVAPress, compile_config,
+    AdaKVPress, CHESSPress, ChunkPress, H2OPress, KeyDiffPress, KnormPress, PyramidKVPress, SentencePress, SnapKVPress,
+    StoreLayer, StreamingLLMPress, TOVAPress, compile_config,
 )
 from sparsekv.layers import KVLayer
 from sparsekv.presses import chess, sentencekv
@@ -123,7 +123,8 @@ SENTENCE = [SentencePress(make_tokenizer(), ratio=0.25, n_sinks=4, window_size=4
 COMPILED = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, recent_ratio=0.25, window_size=1),
             SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4), *CHESS,
             KnormPress(ratio=0.25, min_budget=8), KeyDiffPress(ratio=0.25, min_budget=8),
-            TOVAPress(ratio=0.25, min_budget=8), *SENTENCE]
+            TOVAPress(ratio=0.25, min_budget=8), *SENTENCE, PyramidKVPress(ratio=0.25, window_size=8),
+            AdaKVPress(SnapKVPress(ratio=0.25, window_size=8)), AdaKVPress(TOVAPress(ratio=0.25, min_budget=8))]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -134,6 +135,8 @@ class EagerPress(SnapKVPress):
 
 
 def label(press) -> str:
+    if isinstance(press, AdaKVPress):
+        return f"AdaKV-{label(press.press)}"
     return press.label() + ("-paper" if getattr(press, "paper", False) else "") + (
         "-layer" if getattr(press, "rank_at", None) == "layer" else "")
 
@@ -455,9 +458,11 @@ def test_a_step_builds_one_mask_and_finds_one_slot_per_layout(press, monkeypatch
         model(ids, attention_mask=mask, cache=cache)
         layouts = set(cache.layouts.values())
         assert sorted(cache.layouts) == [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
-        assert cache.one_layout == (len(layouts) == 1) and len(layouts) < len(cache.layouts)
-        if not isinstance(press, ChunkPress):  # (ChunkKV: a layout per count of tokens its chunks hold)
-            assert cache.one_layout
+        assert cache.one_layout == (len(layouts) == 1)
+        if isinstance(press, PyramidKVPress):  # a budget per layer: a layout per layer
+            assert len(layouts) == len(cache.layouts)
+        elif not isinstance(press, (ChunkPress, AdaKVPress)):  # (ChunkKV: a layout per count of tokens its chunks
+            assert cache.one_layout  # hold; AdaKV: per split of each row's budget between its heads)
         for i, leader in cache.layouts.items():
             assert torch.equal(cache.layers[i].valid, cache.layers[leader].valid)
         twin = copy.deepcopy(cache)

@@ -53,6 +53,8 @@ ARCHS = ("llama", "qwen3", "phi3", "gemma3")
 
 def tiny_press(cls, **budget) -> Press:
     names = {f.name for f in dataclasses.fields(cls) if f.init}
+    if "press" in names:  # a wrapper (AdaKV): over SnapKV, whose options take the budget
+        return cls(tiny_press(SnapKVPress, **budget))
     args = (make_tokenizer(),) if "tokenizer" in names else ()
     if "budget" in budget and "budget" not in names:  # CHESS's budget is what a step reads
         budget = {"read_budget": budget["budget"]}

@@ -1,10 +1,12 @@
 """One press per file, each reading like its paper's algorithm."""
 
+from .adakv import AdaKVPress
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
 from .knorm import KnormPress
+from .pyramidkv import PyramidKVPress
 from .registry import make_press, press_class, registered
 from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
@@ -15,6 +17,7 @@ ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress
 
 __all__ = [
-    "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "KeyDiffPress", "KnormPress", "SentenceKVPress",
-    "SentencePress", "SnapKVPress", "StreamingLLMPress", "TOVAPress", "make_press", "press_class", "registered",
+    "AdaKVPress", "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "KeyDiffPress", "KnormPress",
+    "PyramidKVPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress", "TOVAPress",
+    "make_press", "press_class", "registered",
 ]

@@ -21,11 +21,13 @@ from typing import Any
 from ..log import logger
 from ..options import RENAMED
 from ..press import Press
+from .adakv import AdaKVPress
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
 from .knorm import KnormPress
+from .pyramidkv import PyramidKVPress
 from .sentencekv import SentencePress
 from .snapkv import SnapKVPress
 from .streaming_llm import StreamingLLMPress
@@ -42,6 +44,8 @@ BUILT_IN: dict[str, type[Press]] = {
     "knorm": KnormPress,
     "keydiff": KeyDiffPress,
     "tova": TOVAPress,
+    "pyramidkv": PyramidKVPress,
+    "adakv": AdaKVPress,
 }
 
 
