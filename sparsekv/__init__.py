@@ -30,7 +30,7 @@ _WHERE = {
     "ScorerPress": ".press", "RowState": ".state", "CHESSPress": ".presses", "ChunkKVPress": ".presses",
     "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
     "SnapKVPress": ".presses", "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses",
-    "TOVAPress": ".presses", "AdaKVPress": ".presses",
+    "TOVAPress": ".presses", "AdaKVPress": ".presses", "ExpectedAttentionPress": ".presses",
     "PyramidKVPress": ".presses", "make_press": ".presses", "registered": ".presses", "compile_config": ".generation",
 }
 __all__ = sorted(_WHERE)
@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
         CHESSPress,
         ChunkKVPress,
         ChunkPress,
+        ExpectedAttentionPress,
         H2OPress,
         KeyDiffPress,
         KnormPress,

@@ -64,6 +64,12 @@ class Context:
     def layer_idx(self) -> int:
         return self.call.module.layer_idx
 
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's RoPE `(cos, sin)` `(batch, tokens, rotated dims)` of the forward's tokens (of a prompt read
+        in pieces: from the prompt's start), as it turned their queries and keys; None for a layer without RoPE."""
+        return self.call.position_embeddings
+
     def queries(self, start: int = 0, end: int | None = None, grouped: bool = False) -> torch.Tensor:
         """Rotated queries of this forward's tokens `start:end` (at the prompt, counted from its start),
         `(batch, heads, tokens, head_dim)`, as the module makes them (no attention run again); `grouped`: summed

@@ -15,8 +15,8 @@ from transformers import CompileConfig, DynamicCache
 from .cache import SparseCache
 
 # The presses whose decoding steps compile.
-COMPILING = ("StreamingLLM's, H2O's, SnapKV's, PyramidKV's, ChunkKV's, CHESS's, SentenceKV's, Knorm's, KeyDiff's and "
-             "TOVA's, alone or under AdaKV,")
+COMPILING = ("StreamingLLM's, H2O's, SnapKV's, PyramidKV's, ChunkKV's, CHESS's, SentenceKV's, Knorm's, KeyDiff's, "
+             "TOVA's and ExpectedAttention's, alone or under AdaKV,")
 
 
 def prefill_locals() -> dict:

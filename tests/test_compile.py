@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from sparsekv import (
-    AdaKVPress, CHESSPress, ChunkPress, H2OPress, KeyDiffPress, KnormPress, PyramidKVPress, SentencePress, SnapKVPress,
+    AdaKVPress, CHESSPress, ChunkPress, ExpectedAttentionPress, H2OPress, KeyDiffPress, KnormPress, PyramidKVPress, SentencePress, SnapKVPress,
     StoreLayer, StreamingLLMPress, TOVAPress, compile_config,
 )
 from sparsekv.layers import KVLayer
@@ -124,7 +124,8 @@ COMPILED = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, r
             SnapKVPress(ratio=0.25, window_size=8), ChunkPress(ratio=0.25, window_size=8, chunk_size=4), *CHESS,
             KnormPress(ratio=0.25, min_budget=8), KeyDiffPress(ratio=0.25, min_budget=8),
             TOVAPress(ratio=0.25, min_budget=8), *SENTENCE, PyramidKVPress(ratio=0.25, window_size=8),
-            AdaKVPress(SnapKVPress(ratio=0.25, window_size=8)), AdaKVPress(TOVAPress(ratio=0.25, min_budget=8))]
+            AdaKVPress(SnapKVPress(ratio=0.25, window_size=8)), AdaKVPress(TOVAPress(ratio=0.25, min_budget=8)),
+            ExpectedAttentionPress(ratio=0.25, min_budget=8)]
 
 
 @dataclasses.dataclass(kw_only=True)

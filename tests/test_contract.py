@@ -125,7 +125,8 @@ def test_the_scan_sees_the_names_a_press_reads(source, expected):
     assert names_read(source) == expected
 
 
-SCORING = ("snapkv.py", "chunkkv.py", "knorm.py", "keydiff.py", "tova.py", "streaming_llm.py", "h2o.py", "floored.py")
+SCORING = ("snapkv.py", "chunkkv.py", "knorm.py", "keydiff.py", "tova.py", "streaming_llm.py", "h2o.py", "floored.py",
+           "pyramidkv.py", "adakv.py", "expected_attention.py")
 
 
 def test_a_scoring_press_reads_the_context_alone():

@@ -9,7 +9,9 @@ import pytest
 import torch
 from conftest import CHAT_TEMPLATE, make_tokenizer
 
-from benchmarks import chunked_prefill, compiled_decode, decode_vs_oracle, profile_step, random_bench, step_ops
+from benchmarks import (
+    chunked_prefill, compiled_decode, decode_vs_oracle, head_budgets, profile_step, random_bench, step_ops,
+)
 from benchmarks.random_models import SHAPES, random_model
 
 
@@ -130,6 +132,19 @@ def test_chunked_prefill_on_a_random_model(tokenizer_dir, capsys):
     assert all(r[-1] == "yes" for r in rows)
     with pytest.raises(SystemExit):  # the prompt in one forward is the reference
         chunked_prefill.main([*SMALL, "--tokenizer", tokenizer_dir, "--chunks", "256"])
+
+
+def test_head_budgets_on_a_random_model(tokenizer_dir, capsys):
+    """AdaKV over SnapKV holds the same real tokens as SnapKV in slots at least as many (its heads' widest), and
+    PyramidKV as many as SnapKV (its layers' budgets average SnapKV's): the table's columns say so."""
+    head_budgets.main([*SMALL, "--tokenizer", tokenizer_dir, "--length", "600", "--ratios", "0.25", "--steps", "2",
+                       "--presses", "snapkv,adakv,pyramidkv"])
+    table = capsys.readouterr().out.split("against snapkv\n")[-1]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
+    assert list(rows) == ["snapkv", "adakv", "pyramidkv"]
+    kv, fill = {name: float(row[3]) for name, row in rows.items()}, {name: float(row[4]) for name, row in rows.items()}
+    assert kv["snapkv"] == 1.0 and kv["adakv"] >= 1.0 and fill["snapkv"] == 1.0 and fill["adakv"] <= 1.0
+    assert abs(kv["adakv"] * fill["adakv"] - 1.0) < 0.02 and abs(kv["pyramidkv"] - 1.0) < 0.02
 
 
 def test_sync_counting_reports_each_step_and_where(monkeypatch):

@@ -3,6 +3,7 @@
 from .adakv import AdaKVPress
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
+from .expected_attention import ExpectedAttentionPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
 from .knorm import KnormPress
@@ -17,7 +18,7 @@ ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress
 
 __all__ = [
-    "AdaKVPress", "CHESSPress", "ChunkKVPress", "ChunkPress", "H2OPress", "KeyDiffPress", "KnormPress",
-    "PyramidKVPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress", "TOVAPress",
-    "make_press", "press_class", "registered",
+    "AdaKVPress", "CHESSPress", "ChunkKVPress", "ChunkPress", "ExpectedAttentionPress", "H2OPress", "KeyDiffPress",
+    "KnormPress", "PyramidKVPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress",
+    "TOVAPress", "make_press", "press_class", "registered",
 ]

@@ -7,10 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import SparseCache
 from ..context import Context
 from ..layers import KVLayer
 from ..options import check_number
+from ..state import RowState
 from .snapkv import SnapKVPress
+
+
+@dataclass
+class PyramidState(RowState):
+    """Per generation: each compressed layer's rank among them from the bottom (the model's layers that are not
+    compressed, sliding-window ones, are not counted)."""
+
+    ranks: dict[int, int]
 
 
 @dataclass(kw_only=True)
@@ -40,14 +50,17 @@ class PyramidKVPress(SnapKVPress):
         super().__post_init__()
         self.beta = check_number("PyramidKVPress", "beta", self.beta, low=1, unit="mean budget / top layer's")
 
+    def new_state(self, cache: SparseCache) -> PyramidState:
+        compressed = [i for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)]
+        return PyramidState({i: rank for rank, i in enumerate(compressed)})
+
     def row_budgets(self, ctx: Context) -> torch.Tensor | None:
         budgets = super().row_budgets(ctx)
         if budgets is None:  # every prompt kept whole
             return None
-        compressed = [i for i, layer in enumerate(ctx.cache.layers) if isinstance(layer, KVLayer)]
         lengths = ctx.valid[:, 0].sum(-1)  # each row's prompt tokens (its slots at the prompt)
-        return self.layer_budgets(budgets.to(lengths.device), lengths, compressed.index(ctx.layer_idx),
-                                  len(compressed))
+        ranks = ctx.state.ranks
+        return self.layer_budgets(budgets.to(lengths.device), lengths, ranks[ctx.layer_idx], len(ranks))
 
     def layer_budgets(self, budgets: torch.Tensor, lengths: torch.Tensor, rank: int, layers: int) -> torch.Tensor:
         """Tokens each row keeps `(batch,)` at the `rank`-th of `layers` compressed layers (0: the bottom), for

@@ -24,6 +24,7 @@ from ..press import Press
 from .adakv import AdaKVPress
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
+from .expected_attention import ExpectedAttentionPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
 from .knorm import KnormPress
@@ -45,6 +46,7 @@ BUILT_IN: dict[str, type[Press]] = {
     "keydiff": KeyDiffPress,
     "tova": TOVAPress,
     "pyramidkv": PyramidKVPress,
+    "expectedattention": ExpectedAttentionPress,
     "adakv": AdaKVPress,
 }
 
