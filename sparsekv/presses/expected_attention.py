@@ -75,39 +75,49 @@ class ExpectedAttentionPress(FlooredScorerPress):
     def read_piece(self, ctx) -> None:
         self.add_queries(ctx)
 
-    def add_queries(self, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def add_queries(self, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The forward's queries (a prompt, or a piece of one) join the layer's running statistics: per row the
-        tokens counted `(batch,)`, and per query head the sum of their queries `(batch, heads, d)` and of their
-        outer products `(batch, heads, d, d)`, float64 (raw moments, added piece by piece)."""
+        tokens counted `(batch,)`, and per query head their mean `(batch, heads, d)` and the sum of their centred
+        outer products `(batch, heads, d, d)`, float64, a piece's joined to the earlier ones' (Chan et al.'s
+        pairwise update: no raw moments, whose difference would lose the variance under a large mean)."""
         n = ctx.keys.shape[2]  # the prompt's tokens so far; the forward's are the last `q_len`
         rope = ctx.rope  # (of a prompt read in pieces: from its start)
         rope = None if rope is None else tuple(t[:, -ctx.q_len:] for t in rope)
-        queries = rotate(ctx.queries(n - ctx.q_len, n), rope, inverse=True).double()  # before RoPE
+        queries = rotate(ctx.queries(n - ctx.q_len, n).float(), rope, inverse=True)  # before RoPE
         token = torch.arange(n - ctx.q_len, n, device=queries.device)
-        counted = ctx.valid[:, 0, n - ctx.q_len:] & (token >= (ctx.prompt_start + self.n_sink)[:, None])
-        weight = counted.double()
-        moments = (weight.sum(-1), torch.einsum("bn,bhnd->bhd", weight, queries),
-                   torch.einsum("bn,bhni,bhnj->bhij", weight, queries, queries) if self.use_covariance else None)
+        weight = (ctx.valid[:, 0, n - ctx.q_len:] & (token >= (ctx.prompt_start + self.n_sink)[:, None])).float()
+        count = weight.sum(-1)
+        mean = torch.einsum("bn,bhnd->bhd", weight, queries) / count.clamp(min=1)[:, None, None]
+        spread = None
+        if self.use_covariance:
+            centred = queries - mean[:, :, None]
+            spread = torch.einsum("bn,bhni,bhnj->bhij", weight, centred, centred).double()
+        moments = (count.double(), mean.double(), spread)
         earlier = ctx.state.moments.get(ctx.layer_idx)
         if earlier is not None:
-            moments = tuple(None if a is None else a + b for a, b in zip(moments, earlier))
+            (n1, mean1, spread1), (n2, mean2, spread2) = earlier, moments
+            total = (n1 + n2).clamp(min=1)
+            delta = mean2 - mean1
+            mean = mean1 + delta * (n2 / total)[:, None, None]
+            if spread is not None:
+                spread = spread1 + spread2 + delta[..., :, None] * delta[..., None, :] * (n1 * n2 / total)[
+                    :, None, None, None]
+            moments = (n1 + n2, mean, spread)
         ctx.state.moments[ctx.layer_idx] = moments
         return moments
 
     def score(self, ctx) -> torch.Tensor:
         keys, values = ctx.keys.float(), ctx.values.float()  # (batch, kv_heads, prompt, head_dim), after RoPE
         b, h_kv, n, d = keys.shape
-        count, total, outer = self.add_queries(ctx)
+        count, mean, spread = self.add_queries(ctx)
         del ctx.state.moments[ctx.layer_idx]  # (a prompt's statistics, no longer needed)
-        count = count.clamp(min=1)[:, None]
-        mean = total / count[..., None]
-        cov = None if outer is None else outer / count[..., None, None] - mean[..., :, None] * mean[..., None, :]
-        mean, cov = self.to_future(mean.float(), None if cov is None else cov.float(), ctx.rope)
+        cov = None if spread is None else (spread / count.clamp(min=1)[:, None, None, None]).float()
+        mean, cov = self.to_future(mean.float(), cov, ctx.rope)
         mean = mean.view(b, h_kv, -1, d)  # (batch, kv_heads, group, head_dim)
         logits = torch.einsum("bkgd,bknd->bkgn", mean, keys) / math.sqrt(d)
         if cov is not None:
-            spread = torch.einsum("bknd,bkgde->bkgne", keys, cov.view(b, h_kv, -1, d, d))
-            logits = logits + (spread * keys[:, :, None]).sum(-1) / (2 * d)
+            turned = torch.einsum("bknd,bkgde->bkgne", keys, cov.view(b, h_kv, -1, d, d))  # cov k
+            logits = logits + (turned * keys[:, :, None]).sum(-1) / (2 * d)
         logits = logits.masked_fill(~ctx.valid[:, :, None], float("-inf"))
         scores = logits.softmax(dim=-1).mean(dim=2)  # (batch, kv_heads, prompt)
         if self.use_vnorm:
