@@ -21,7 +21,10 @@ fraction of the KV kept, sparsekv's convention (kvpress's `compression_ratio` is
 kvpress's presses and their sparsekv counterparts: `snapkv` SnapKVPress (its defaults: 64-token window, 5-token
 kernel) / SnapKVPress; `chunkkv` ChunkKVPress(SnapKVPress, 20-token chunks) / ChunkPress; `streamingllm`
 StreamingLLMPress (4 sinks) / StreamingLLMPress; `observed` ObservedAttentionPress (H2O's accumulated attention
-over the prompt, eager attention, prefill only) / H2OPress.
+over the prompt, eager attention, prefill only) / H2OPress; `adakv` AdaKVPress(SnapKVPress) / AdaKVPress;
+`pyramidkv` PyramidKVPress (64-token window, 5-token kernel) / PyramidKVPress; `expectedattention`
+ExpectedAttentionPress / ExpectedAttentionPress; `adakv-expectedattention` AdaKVPress(ExpectedAttentionPress) /
+`adakv:press=expectedattention`; `knorm` KnormPress / KnormPress.
 """
 
 from __future__ import annotations
@@ -57,11 +60,19 @@ def export(args) -> None:
 
 def make_press(name: str, ratio: float):
     """kvpress's press `name` keeping `ratio` of the KV."""
-    from kvpress import ChunkKVPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress
+    from kvpress import (
+        AdaKVPress, ChunkKVPress, ExpectedAttentionPress, KnormPress, ObservedAttentionPress, PyramidKVPress,
+        SnapKVPress, StreamingLLMPress,
+    )
 
     removed = 1.0 - ratio
     presses = {
         "snapkv": lambda: SnapKVPress(compression_ratio=removed),
+        "adakv": lambda: AdaKVPress(SnapKVPress(compression_ratio=removed)),
+        "pyramidkv": lambda: PyramidKVPress(compression_ratio=removed),
+        "expectedattention": lambda: ExpectedAttentionPress(compression_ratio=removed),
+        "adakv-expectedattention": lambda: AdaKVPress(ExpectedAttentionPress(compression_ratio=removed)),
+        "knorm": lambda: KnormPress(compression_ratio=removed),
         "chunkkv": lambda: ChunkKVPress(press=SnapKVPress(compression_ratio=removed)),
         "streamingllm": lambda: StreamingLLMPress(compression_ratio=removed),
         "observed": lambda: ObservedAttentionPress(compression_ratio=removed),

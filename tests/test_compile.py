@@ -18,8 +18,8 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from sparsekv import (
-    AdaKVPress, CHESSPress, ChunkPress, ExpectedAttentionPress, H2OPress, KeyDiffPress, KnormPress, PyramidKVPress, SentencePress, SnapKVPress,
-    StoreLayer, StreamingLLMPress, TOVAPress, compile_config,
+    AdaKVPress, CHESSPress, ChunkPress, ExpectedAttentionPress, H2OPress, KeyDiffPress, KnormPress, PyramidKVPress,
+    SentencePress, SnapKVPress, StoreLayer, StreamingLLMPress, TOVAPress, compile_config,
 )
 from sparsekv.layers import KVLayer
 from sparsekv.presses import chess, sentencekv

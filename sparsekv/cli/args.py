@@ -10,14 +10,15 @@ from typing import Callable
 
 # The built-in presses (`sparsekv.presses.registry.BUILT_IN`), the local tasks (`sparsekv.evaluation.TASKS`) and
 # the dtypes of `sparsekv.models.placement`, as the help lists them.
-PRESS_NAMES = ("snapkv", "h2o", "streamingllm", "chunkkv", "sentencekv", "chess", "knorm", "keydiff", "tova")
+PRESS_NAMES = ("snapkv", "h2o", "streamingllm", "chunkkv", "sentencekv", "chess", "knorm", "keydiff", "tova",
+               "pyramidkv", "expectedattention", "adakv")
 TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
               "common_words", "frequent_words", "passkey", "prose_number", "prose_code", "prose_name",
               "prose_multikey")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_NAMES = ("smollm2-135m", "qwen2.5-0.5b")  # the offline models' aliases (`sparsekv.models.MODELS`), GGUF files
 PRESSES_HELP = (f"comma-separated, of: full, {', '.join(PRESS_NAMES)}, or an installed plug-in's name; options "
-                "after the name: chunkkv:reuse_layers=1")
+                "after the name: chunkkv:reuse_layers=1, adakv:press=expectedattention")
 MODEL_HELP = f"alias ({', '.join(MODEL_NAMES)}), .gguf file, model folder or Hub id (default: %(default)s)"
 
 # An optional module a command needs: (module, the sparsekv extra that installs it, what for).
