@@ -37,8 +37,10 @@ class AdaKVPress(ScorerPress):
             (SnapKV, PyramidKV, Knorm, KeyDiff, TOVA, StreamingLLM), `AdaKVPress(SnapKVPress(ratio=0.25))`, or a
             registered press's name, made with the wrapper's ratio or budget (default "snapkv", kvpress's
             AdaKV-SnapKV: `AdaKVPress(ratio=0.25)`). Its options, `compile` included, are the wrapper's.
-        ratio, budget, compile: the wrapped press's, unless given here, which gives them to it (as
-            `dataclasses.replace(press, ratio=...)` does, so that a sweep can set them on the wrapper).
+        ratio: the wrapped press's, unless given here, which gives it to it (as `dataclasses.replace(press,
+            ratio=...)` does, so that a sweep can set it on the wrapper).
+        budget: the same, for the wrapped press's budget.
+        compile: the same, for whether generate compiles the decoding steps.
         alpha_safeguard: fraction of the uniform budget each head keeps whatever the others score, in [0, 1]
             (default 0.20, kvpress's; 1.0 keeps the wrapped press's uniform budgets).
     """

@@ -40,8 +40,10 @@ class PyramidKVPress(SnapKVPress):
         ratio: fraction of each prompt's KV kept, over the layers, window included, in (0, 1].
         budget: tokens kept per prompt, the mean over the layers, window included (at least `window_size`).
         beta: how steep the pyramid is: the top layer keeps `1 / beta` of the mean budget (default 20, sec. 4).
-        window_size, kernel_size, pooling: `SnapKVPress`'s (defaults 32, 15, "max": sparsekv's SnapKV; the paper
+        window_size: `SnapKVPress`'s observation window, in tokens (default 32, sparsekv's SnapKV; the paper
             attends the last 8 tokens, `window_size=8`).
+        kernel_size: `SnapKVPress`'s pooling kernel, in tokens (default 15).
+        pooling: `SnapKVPress`'s pooling, "max" or "avg" (default "max").
     """
 
     beta: float = 20
