@@ -26,17 +26,18 @@ class AdaKVPress(ScorerPress):
     Each head first keeps its `alpha_safeguard` share of the uniform budget, its best tokens whatever the other
     heads score (AdaKV's safeguard; kvpress's reading: the top `int(alpha_safeguard x budget)` of each head). The
     wrapped press's scores must be comparable between heads: attention received (SnapKV, TOVA), as in the paper,
-    or any score on one scale (Knorm, KeyDiff). Tokens the press always keeps (+inf: SnapKV's window) are kept on
-    every head. A press that evicts while decoding (TOVA) holds each head at its own budget.
+    or any score on one scale (Expected Attention, Knorm, KeyDiff). Tokens the press always keeps (+inf: SnapKV's
+    window) are kept on every head. A press that evicts while decoding (TOVA) holds each head at its own budget.
 
     The core keeps each head's tokens in the layer's slot table (per row and KV head); a head keeping fewer than
     the layer's widest has filler slots it never attends (docs/usage.md, "Head-wise budgets").
 
     Args:
         press: the scoring press whose scores and row budgets are spread: a `ScorerPress` that keeps by `score`
-            (SnapKV, PyramidKV, Knorm, KeyDiff, TOVA, StreamingLLM), `AdaKVPress(SnapKVPress(ratio=0.25))`, or a
-            registered press's name, made with the wrapper's ratio or budget (default "snapkv", kvpress's
-            AdaKV-SnapKV: `AdaKVPress(ratio=0.25)`). Its options, `compile` included, are the wrapper's.
+            (SnapKV, PyramidKV, Expected Attention, Knorm, KeyDiff, TOVA, StreamingLLM),
+            `AdaKVPress(SnapKVPress(ratio=0.25))`, or a registered press's name, made with the wrapper's ratio or
+            budget (default "snapkv", kvpress's AdaKV-SnapKV: `AdaKVPress(ratio=0.25)`). Its options, `compile`
+            included, are the wrapper's.
         ratio: the wrapped press's, unless given here, which gives it to it (as `dataclasses.replace(press,
             ratio=...)` does, so that a sweep can set it on the wrapper).
         budget: the same, for the wrapped press's budget.
@@ -62,7 +63,8 @@ class AdaKVPress(ScorerPress):
         kept_by_score = isinstance(press, ScorerPress) and type(press).compress is ScorerPress.compress
         if not kept_by_score or isinstance(press, AdaKVPress) or press.selects_before_attention or press.reads_logits:
             raise ValueError(f"AdaKVPress: press must be a scoring press that keeps by its `score` (SnapKVPress, "
-                             f"PyramidKVPress, KnormPress, KeyDiffPress, TOVAPress, StreamingLLMPress); got "
+                             f"PyramidKVPress, ExpectedAttentionPress, KnormPress, KeyDiffPress, TOVAPress, "
+                             f"StreamingLLMPress); got "
                              f"{type(press).__name__}, which keeps by its own rule.")
         if self.ratio is not None or self.budget is not None:  # given here: the wrapped press's
             press = replace(press, ratio=self.ratio, budget=self.budget)
