@@ -62,12 +62,11 @@ class AdaKVPress(ScorerPress):
                 raise ValueError(f"AdaKVPress: press={self.press!r}: {err}") from None
         kept_by_score = isinstance(press, ScorerPress) and type(press).compress is ScorerPress.compress
         if not kept_by_score or isinstance(press, AdaKVPress) or press.selects_before_attention or press.reads_logits:
-            raise ValueError(f"AdaKVPress: press must be a scoring press that keeps by its `score` (SnapKVPress, "
-                             f"PyramidKVPress, ExpectedAttentionPress, KnormPress, KeyDiffPress, TOVAPress, "
-                             f"StreamingLLMPress); got "
-                             f"{type(press).__name__}, which keeps by its own rule.")
-        if self.ratio is not None or self.budget is not None:  # given here: the wrapped press's
-            press = replace(press, ratio=self.ratio, budget=self.budget)
+            raise ValueError("AdaKVPress: press must be a scoring press that keeps by its `score` (SnapKVPress, "
+                             "PyramidKVPress, ExpectedAttentionPress, KnormPress, KeyDiffPress, TOVAPress, "
+                             f"StreamingLLMPress); got {type(press).__name__}, which keeps by its own rule.")
+        if not isinstance(self.press, str) and (self.ratio is not None or self.budget is not None):
+            press = replace(press, ratio=self.ratio, budget=self.budget)  # given here: the wrapped press's
         if self.compile and not press.compile:
             press = replace(press, compile=True)
         self.press = press
