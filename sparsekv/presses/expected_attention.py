@@ -135,11 +135,10 @@ class ExpectedAttentionPress(FlooredScorerPress):
             return mean, cov
         cos, sin = (t[:, -2:].float() for t in rope)  # (batch, 2, rot)
         last, before = torch.complex(cos[:, 1], sin[:, 1]), torch.complex(cos[:, 0], sin[:, 0])
-        step = last / before
-        angle, steps = step.angle(), self.n_future_positions
-        series = torch.where(angle.abs() > 1e-6, (1 - torch.polar(torch.ones_like(angle), steps * angle))
-                             / (steps * (1 - torch.polar(torch.ones_like(angle), angle))), 1 + 0j)
-        future = last * torch.polar(torch.ones_like(angle), angle) * series  # (batch, rot)
+        angle, positions = (last / before).angle(), self.n_future_positions  # theta per dim
+        z = torch.polar(torch.ones_like(angle), angle)  # e^(i theta), of unit length whatever the table's scale
+        series = torch.where(angle.abs() > 1e-6, (1 - z ** positions) / (positions * (1 - z)), 1 + 0j)
+        future = last * z * series  # (batch, rot): the mean of e^(i p theta) from the position after the last
         turn = (future.real[:, None], future.imag[:, None])  # as a (cos, sin) of one token
         mean = rotate(mean[:, :, None], turn)[:, :, 0]
         if cov is not None:  # R cov R^T = rotate(rotate(cov)^T), cov symmetric: rotate(cov) = cov R^T
