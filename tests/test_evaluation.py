@@ -39,6 +39,7 @@ from sparsekv.evaluation import (
     runner,
 )
 from sparsekv.evaluation.scoring import aggregate, score
+from sparsekv.evaluation.ruler import NOISE as NOISE_LINE
 from sparsekv.evaluation.tasks import INTRO, NOISE, read_haystack
 from sparsekv.evaluation.words import WORDS
 
@@ -75,7 +76,7 @@ def config(tmp_path, **overrides) -> EvalConfig:
 
 
 # --- task generators -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", [t for t in TASKS if TASKS[t].family != "ruler"])
 @pytest.mark.parametrize("length", [400, 1500])
 def test_length_within_two_percent(tokenizer, task, length):
     sample = TASKS[task].make(tokenizer, length, seed=3, depth=0.4)
@@ -84,9 +85,9 @@ def test_length_within_two_percent(tokenizer, task, length):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_seeds_are_deterministic(tokenizer, task):
-    make = TASKS[task].make
-    assert make(tokenizer, 500, seed=1, depth=0.5) == make(tokenizer, 500, seed=1, depth=0.5)
-    assert make(tokenizer, 500, seed=1, depth=0.5) != make(tokenizer, 500, seed=2, depth=0.5)
+    make, length = TASKS[task].make, 1500 if TASKS[task].family == "ruler" else 500
+    assert make(tokenizer, length, seed=1, depth=0.5) == make(tokenizer, length, seed=1, depth=0.5)
+    assert make(tokenizer, length, seed=1, depth=0.5) != make(tokenizer, length, seed=2, depth=0.5)
 
 
 @pytest.mark.parametrize("task", ["niah_single", "passkey"])
@@ -101,20 +102,74 @@ def test_needle_once_at_its_depth(tokenizer, task, depth):
     assert sample.answers[0] in needle
 
 
-@pytest.mark.parametrize("task", [t for t in TASKS if t.startswith("niah") or t == "passkey"])
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "passkey"])
 def test_needle_answers_are_in_the_context(tokenizer, task):
     sample = TASKS[task].make(tokenizer, 600, seed=5, depth=0.3)
     assert sample.answers and all(sample.context.count(a) == (2 if task == "passkey" else 1) for a in sample.answers)
-    assert len(set(sample.answers)) == len(sample.answers)
     n_needles = sample.context.count("special magic numbers for")
-    assert n_needles == {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 4, "niah_multiquery": 4,
-                         "passkey": 0}[task]
+    assert n_needles == {"niah_single": 1, "niah_multikey": 4, "passkey": 0}[task]
 
 
-def test_variable_tracking_chain_is_recoverable(tokenizer):
-    sample = TASKS["variable_tracking"].make(tokenizer, 600, seed=2, depth=0.2)
+# --- RULER's configuration ---------------------------------------------------------------------------------------
+RULER = [t for t in TASKS if TASKS[t].family == "ruler"]
+# RULER's synthetic.yaml: haystack, needles in the context, values asked, the value's shape
+NIAH = {"niah_single_1": ("noise", 1, 1, r"\d{7}"), "niah_single_2": ("essay", 1, 1, r"\d{7}"),
+        "niah_single_3": ("essay", 1, 1, r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"),
+        "niah_multikey_1": ("essay", 4, 1, r"\d{7}"), "niah_multikey_2": ("needle", None, 1, r"\d{7}"),
+        "niah_multikey_3": ("needle", None, 1, r"[0-9a-f-]{36}"), "niah_multivalue": ("essay", 4, 4, r"\d{7}"),
+        "niah_multiquery": ("essay", 4, 4, r"\d{7}")}
+
+
+def test_ruler_configuration_is_rulers_thirteen_less_the_two_downloads():
+    assert RULER == [*NIAH, "vt", "cwe", "fwe"]
+    assert {t: TASKS[t].max_new_tokens for t in RULER} == {**{t: 128 for t in NIAH}, "vt": 30, "cwe": 120, "fwe": 50}
+    assert EvalConfig(model="m", tasks=["ruler", "passkey"], presses=["snapkv"]).tasks == [*RULER, "passkey"]
+    with pytest.raises(ValueError, match="qa_1 is RULER's question answering over SQuAD.*ruler:qa_1 loads it"):
+        EvalConfig(model="m", tasks=["qa_1"], presses=["snapkv"])
+
+
+@pytest.mark.parametrize("task", RULER)
+@pytest.mark.parametrize("length", [1500, 2500])
+def test_ruler_prompt_and_answer_fill_the_length(tokenizer, task, length):
+    """As RULER: the prompt plus the tokens its answer may take fit in `length`, short of it by less than a unit
+    of haystack (a needle line of two UUIDs is ~60 tokens of this byte-level tokenizer)."""
+    sample = TASKS[task].make(tokenizer, length, seed=3)
+    budget = length - TASKS[task].max_new_tokens
+    assert budget - 70 <= len(encode(tokenizer, sample)) <= budget
+
+
+@pytest.mark.parametrize("task", list(NIAH))
+def test_ruler_needles_in_their_haystack(tokenizer, task):
+    haystack, n_needles, n_answers, shape = NIAH[task]
+    sample = TASKS[task].make(tokenizer, 1500, seed=7)
+    lines = sample.context.split("\n")
+    needles = re.findall(r"One of the special magic (?:numbers|uuids) for [\w-]+ is: [\w-]+\.", sample.context)
+    if n_needles is not None:
+        assert len(needles) == n_needles
+    else:  # every line of the haystack is a needle, with its own key
+        assert len(needles) == len(lines) - 1 and len({n.split(" is: ")[0] for n in needles}) == len(needles)
+    if haystack == "noise":
+        assert set(lines[1:]) == {NOISE_LINE, *needles}
+    if haystack == "essay":
+        assert "The grass is green." not in sample.context and len(lines) == 2
+    assert len(sample.answers) == n_answers and all(re.fullmatch(shape, a) for a in sample.answers)
+    assert all(sample.context.count(f"is: {a}.") == 1 for a in sample.answers)
+    asked = re.search(r"for (.+) mentioned", sample.question).group(1).replace(", and ", ", ").split(", ")
+    assert len(asked) == (4 if task == "niah_multiquery" else 1)
+    for key in asked:  # the asked keys' values are the answers
+        assert set(re.findall(rf"for {re.escape(key)} is: ([\w-]+)\.", sample.context)) <= set(sample.answers)
+    singular = n_answers == 1  # RULER's wording: "A special magic number is hidden", "What is the ..."
+    assert sample.context.startswith("A special magic" if singular else "Some special magic")
+    assert sample.question.startswith("What is the" if singular else "What are all the")
+    assert sample.answer_prefix.endswith(" is" if singular else " are")
+
+
+def test_ruler_variable_tracking_chain_is_recoverable(tokenizer):
+    sample = TASKS["vt"].make(tokenizer, 1500, seed=2)
+    example, asked = sample.context.rsplit("Memorize and track", 1)
+    assert "Question: Find all variables" in example  # the worked example, its answer included, before the task
     value = re.search(r"value (\d+)", sample.question).group(1)
-    links = dict(re.findall(r"VAR (\w+) = (?:VAR )?(\w+)\.", sample.context))
+    links = dict(re.findall(r"VAR (\w+) = (?:VAR )?(\w+)", asked))
     holding = {v for v in links if links[v] == value}
     while True:  # follow the chain from the value
         more = {v for v, src in links.items() if src in holding} - holding
@@ -124,10 +179,11 @@ def test_variable_tracking_chain_is_recoverable(tokenizer):
     assert holding == set(sample.answers) and len(sample.answers) == 5
 
 
-@pytest.mark.parametrize("task, top", [("common_words", 10), ("frequent_words", 3)])
-def test_word_tasks_answers_are_the_most_frequent(tokenizer, task, top):
+@pytest.mark.parametrize("task, top", [("cwe", 10), ("fwe", 3)])
+def test_ruler_word_tasks_answers_are_the_most_frequent(tokenizer, task, top):
     sample = TASKS[task].make(tokenizer, 1500, seed=4)
-    words = re.findall(r"(?:\d+\. )?([a-z-]+)", sample.context.split("\n", 1)[1])
+    text = sample.context.rsplit("\n", 1)[1] if task == "cwe" else sample.context
+    words = [w for w in re.findall(r"(?:\d+\. )?([a-z.-]+)", text) if w != "..."]
     counts = {w: words.count(w) for w in set(words)}
     ranked = sorted(counts.values(), reverse=True)
     assert len(sample.answers) == top
@@ -406,7 +462,7 @@ def test_report_table_and_plot(tmp_path):
     synthetic_results(tmp_path)
     table = format_report(load_results(tmp_path))
     lines = table.splitlines()
-    assert lines[0].startswith("ruler tasks:")
+    assert lines[0].startswith("noise tasks:")
     assert lines[1].split() == ["model", "length", "mode", "press", "kept", "KV", "kept", "attended", "niah_single",
                                 "passkey", "mean", "95%", "CI", "n", "errors"]
     assert lines[3].split()[:10] == ["m", "1000", "-", "full", "1", "1.00", "1.00", "100.0", "90.0", "95.0"]
@@ -420,15 +476,15 @@ def test_report_table_and_plot(tmp_path):
 def test_report_keeps_task_families_apart(tmp_path):
     synthetic_results(tmp_path, tasks=(("niah_single", 100.0), ("prose_code", 50.0)))
     text = format_report(load_results(tmp_path))
-    prose, ruler = text.split("\n\n")  # families in alphabetical order
-    assert ruler.startswith("ruler tasks") and "niah_single" in ruler and "prose_code" not in ruler
+    noise, prose = text.split("\n\n")  # families in alphabetical order
+    assert noise.startswith("noise tasks") and "niah_single" in noise and "prose_code" not in noise
     assert prose.startswith("prose tasks") and "prose_code" in prose and "niah_single" not in prose
     full = next(line.split() for line in prose.splitlines() if " full " in line)
     assert full[7:9] == ["50.0", "50.0"]  # the prose mean is prose_code's alone, not averaged with niah_single
     from sparsekv.evaluation.report import figure
 
     titles = [ax.get_title() for ax in figure(load_results(tmp_path)).axes]
-    assert len(titles) == 2 and "prose tasks" in titles[0] and "ruler tasks" in titles[1]
+    assert len(titles) == 2 and "noise tasks" in titles[0] and "prose tasks" in titles[1]
 
 
 def test_report_formats(tmp_path):
@@ -437,13 +493,13 @@ def test_report_formats(tmp_path):
     synthetic_results(tmp_path)
     results = load_results(tmp_path)
     md = format_report(results, "md").splitlines()
-    assert md[0].startswith("### ruler tasks") and md[2].startswith("| model | length |") and md[3].startswith("| ---")
+    assert md[0].startswith("### noise tasks") and md[2].startswith("| model | length |") and md[3].startswith("| ---")
     runs = pd.read_csv(io.StringIO(format_report(results, "csv")))
     assert len(runs) == 10 and {"family", "task", "score", "low", "high", "samples"} <= set(runs.columns)
     full = runs[(runs.press == "full") & (runs.task == "niah_single")].iloc[0]
     assert full.score == 100 and 34 < full.low < 35 and full.high == 100  # 2 of 2: Wilson [34.2, 100]
     records = json.loads(format_report(results, "json"))
-    assert len(records) == 10 and records[0]["family"] == "ruler"
+    assert len(records) == 10 and records[0]["family"] == "noise"
     with pytest.raises(ValueError, match="--format"):
         format_report(results, "xlsx")
 

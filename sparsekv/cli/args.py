@@ -12,9 +12,9 @@ from typing import Callable
 # the dtypes of `sparsekv.models.placement`, as the help lists them.
 PRESS_NAMES = ("snapkv", "h2o", "streamingllm", "chunkkv", "sentencekv", "chess", "knorm", "keydiff", "tova",
                "pyramidkv", "expectedattention", "adakv")
-TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
-              "common_words", "frequent_words", "passkey", "prose_number", "prose_code", "prose_name",
-              "prose_multikey")
+TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+              "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "niah_single",
+              "niah_multikey", "passkey", "prose_number", "prose_code", "prose_name", "prose_multikey")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_NAMES = ("smollm2-135m", "qwen2.5-0.5b")  # the offline models' aliases (`sparsekv.models.MODELS`), GGUF files
 PRESSES_HELP = (f"comma-separated, of: full, {', '.join(PRESS_NAMES)}, or an installed plug-in's name; options "

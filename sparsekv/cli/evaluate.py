@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="smollm2-135m", help=MODEL_HELP)
     add("--tasks", type=csv(str), default=list(TASK_NAMES),
-        help=f"comma-separated: {', '.join(TASK_NAMES)}, or ruler:<task> / longbench:<task> from the Hub "
-        "(default: every local task)")
+        help=f"comma-separated: {', '.join(TASK_NAMES)}; ruler (RULER's configuration: its first 11 names), "
+        "or ruler:<task> / longbench:<task> from the Hub (default: every local task)")
     add("--presses", type=press_specs, default=["snapkv", "h2o", "streamingllm", "chunkkv"],
         help=f"{PRESSES_HELP} (default: snapkv,h2o,streamingllm,chunkkv; the full cache is added unless --no-full)")
     kept = parser.add_mutually_exclusive_group()

@@ -1,13 +1,13 @@
 """`sparsekv report`: the results of `sparsekv eval` as tables, a plot, and machine-readable files.
 
 Every run (`metrics.json`) becomes one record of a pandas frame (`frame`). Tasks are grouped into families that
-never share a table or a mean: "ruler" (the noise haystack), "prose" (needles in real text), a Hub source
-(`ruler:...`, `longbench:...`), and a family run on a `--haystack FILE` is named with that file. Per family, the
-table is a pivot: one row per model, length, mode, press and amount kept, what the cache held and attended
-(measured at the end of each answer, as a share of the tokens seen), one column per task (score in %), their
-mean with its 95% Wilson interval over the pooled samples, the samples per task and the samples the press
-could not run (counted wrong). A missing task is shown as missing, and its row has no mean: a mean over the
-tasks a row happens to have would compare rows on different tasks.
+never share a table or a mean: "ruler" (RULER's configuration), "noise" (quick needles in RULER's noise haystack),
+"prose" (needles in real text), a Hub source (`ruler:...`, `longbench:...`), and a family run on a `--haystack
+FILE` is named with that file. Per family, the table is a pivot: one row per model, length, mode, press and amount
+kept, what the cache held and attended (measured at the end of each answer, as a share of the tokens seen), one
+column per task (score in %), their mean with its 95% Wilson interval over the pooled samples, the samples per task
+and the samples the press could not run (counted wrong). A missing task is shown as missing, and its row has no
+mean: a mean over the tasks a row happens to have would compare rows on different tasks.
 
 The plot shows, per model, length and family, the mean score against the fraction of the KV cache attended
 (what an evicting press keeps; CHESS keeps every token and attends its selection) with its interval: one line
@@ -49,7 +49,8 @@ def wilson(score: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def family(metrics: dict) -> str:
-    """The task family of a run: its task's ("ruler", "prose"), a Hub source, and the haystack file if any."""
+    """The task family of a run: its task's ("ruler", "noise", "prose"), a Hub source, and the haystack file if
+    any."""
     from .tasks import TASKS
 
     task = metrics["task"]

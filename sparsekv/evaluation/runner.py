@@ -41,6 +41,7 @@ from .presses import check_press, is_full, make_press, press_options
 from .prompts import Prompt, Sample, encode
 from .results import check_identity, merge, open_shard, read_records, write_json
 from .scoring import score
+from .ruler import RULER_TASKS, UNSHIPPED
 from .tasks import TASKS, read_haystack
 
 MODES = ("question", "agnostic", "both")
@@ -82,7 +83,13 @@ class EvalConfig:
     full: bool = True  # include the full-cache reference
 
     def __post_init__(self):
+        # "ruler": RULER's configuration, the tasks kvpress's leaderboard averages (less the two it downloads)
+        self.tasks = [name for task in self.tasks for name in (list(RULER_TASKS) if task == "ruler" else [task])]
         for task in self.tasks:
+            if task in UNSHIPPED:
+                raise ValueError(f"--tasks: {task} is RULER's question answering over {UNSHIPPED[task]}, a dataset "
+                                 f"sparsekv cannot generate; ruler:{task} loads it where the Hugging Face Hub is "
+                                 "reachable.")
             if task not in TASKS and not is_hub_task(task):
                 raise ValueError(f"--tasks: unknown task {task!r}; local tasks: {', '.join(TASKS)}; "
                                  "Hub tasks: ruler:<task>, longbench:<task>.")

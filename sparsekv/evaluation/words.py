@@ -24,3 +24,20 @@ WORDS = tuple(
     valley vase velvet violin volcano wagon walnut walrus whistle willow window wizard yacht yogurt zebra zephyr
     """.split()
 )
+
+# Adjectives for RULER's needle keys, which are adjective-noun pairs ("abundant-hat"; RULER draws them from
+# wonderwords' lists, which this fixed list stands in for).
+ADJECTIVES = tuple(
+    """
+    abundant agile ancient anxious bashful bitter bold brave breezy bright brisk broad bumpy busy calm careful
+    cheerful chilly clever cloudy clumsy cosy crisp curious damp dapper dazzling delicate dense dizzy drowsy dusty
+    eager early earnest elegant empty fancy fearless feeble fierce fluffy fragile frank fresh frosty funny gentle
+    giant glad gleaming glossy golden graceful grand greedy grumpy handsome happy hasty hearty heavy hollow humble
+    hungry icy idle jolly jumpy keen kind lanky large lavish lazy lively lofty lonely loud lucky lush majestic
+    mellow merry mighty misty modest muddy narrow neat nervous nimble noisy odd orange patient plain pleasant
+    plucky polite proud purple quaint quick quiet rapid rare rough round royal rustic sandy scarlet shaggy sharp
+    shiny shy silent silky simple sleepy slender slim smooth snowy soft sparkling spicy spotted steady stormy
+    sturdy sunny swift tall tame tender thirsty tidy tiny tranquil tricky vast velvety vivid warm wary wealthy
+    wide wild windy wise witty wooden young zany zealous
+    """.split()
+)
