@@ -56,5 +56,39 @@ def test_replies_are_scored_as_sparsekv_eval_scores_them(tmp_path, capsys):
     replies.write_text("".join(json.dumps(row) + "\n" for row in rows))
     kvpress_compare.score(argparse.Namespace(replies=str(replies)))
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("kvpress")]
-    assert [line[:6] for line in lines] == [["kvpress", "snapkv", "0.25", "question", "1", "100"],
-                                            ["kvpress", "snapkv", "0.10", "question", "3", "67"]]
+    assert [line[:6] for line in lines] == [["kvpress", "snapkv", "0.25", "question", "1", "100.0"],
+                                            ["kvpress", "snapkv", "0.10", "question", "3", "66.7"]]
+
+
+def test_rulers_mean_beside_sparsekv_runs(tmp_path, capsys):
+    """The mean over tasks of each task's accuracy, kvpress's replies beside a `sparsekv eval` folder's runs of
+    the same tasks, length and mode; a row missing a task has no mean; the Markdown table bolds each column's
+    best, and the plot is drawn."""
+    replies = tmp_path / "replies.jsonl"
+    base = {"mode": "agnostic", "length": 4096, "metric": "all", "answers": ["42"]}
+    rows = [{**base, "press": "snapkv", "ratio": 0.5, "task": "vt", "reply": "42"},
+            {**base, "press": "snapkv", "ratio": 0.5, "task": "cwe", "reply": "no"},
+            {**base, "press": "full", "ratio": 1.0, "task": "vt", "reply": "42"},
+            {**base, "press": "full", "ratio": 1.0, "task": "cwe", "reply": "42"}]
+    replies.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs = {("snapkv", 0.5, "agnostic", "vt"): 100.0, ("snapkv", 0.5, "agnostic", "cwe"): 50.0,
+            ("snapkv", 0.25, "agnostic", "vt"): 100.0,  # cwe missing: no mean
+            ("snapkv", 0.5, "question", "vt"): 0.0, ("snapkv", 0.5, "question", "cwe"): 0.0,  # another mode
+            ("full", 1.0, "question", "vt"): 100.0, ("full", 1.0, "question", "cwe"): 100.0}
+    for i, ((press, ratio, mode, task), value) in enumerate(runs.items()):
+        run = tmp_path / "results" / str(i)
+        run.mkdir(parents=True)
+        (run / "metrics.json").write_text(json.dumps({"task": task, "press": press, "ratio": ratio, "mode": mode,
+                                                      "length": 4096, "score": value, "samples": 2}))
+    plot = tmp_path / "ruler.png"
+    kvpress_compare.score(argparse.Namespace(replies=str(replies), sparsekv=str(tmp_path / "results"),
+                                             markdown=True, plot=str(plot), title="t"))
+    out = capsys.readouterr().out
+    table = {tuple(line.split()[:3]): line.split()[3:6] for line in out.splitlines()
+             if line.startswith(("kvpress", "sparsekv"))}
+    assert table[("kvpress", "snapkv", "0.50")] == ["agnostic", "2", "50.0"]
+    assert table[("sparsekv", "snapkv", "0.50")] == ["agnostic", "4", "75.0"]
+    assert table[("sparsekv", "snapkv", "0.25")] == ["agnostic", "2", "-"]
+    assert table[("kvpress", "full", "1.00")][:3] == ["-", "2", "100.0"]
+    assert "| sparsekv snapkv | **75.0** | - |  | 4 |" in out and "| kvpress snapkv | 50.0 | - |  | 2 |" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
