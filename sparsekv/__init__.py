@@ -31,7 +31,8 @@ _WHERE = {
     "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
     "SnapKVPress": ".presses", "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses",
     "TOVAPress": ".presses", "AdaKVPress": ".presses", "ExpectedAttentionPress": ".presses",
-    "PyramidKVPress": ".presses", "make_press": ".presses", "registered": ".presses", "compile_config": ".generation",
+    "PyramidKVPress": ".presses", "KVzipPress": ".presses", "make_press": ".presses", "registered": ".presses",
+    "compile_config": ".generation",
 }
 __all__ = sorted(_WHERE)
 
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
         H2OPress,
         KeyDiffPress,
         KnormPress,
+        KVzipPress,
         PyramidKVPress,
         SentenceKVPress,
         SentencePress,

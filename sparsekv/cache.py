@@ -23,8 +23,9 @@ each hands the press one `Context` (`sparsekv.context`), made once per layer and
 6. `after_head`, at the model's output head, with its logits (presses that read them): the press's
    `end_forward` (CHESS's uncertainty trigger and selection), inside the forward, so that a compiled step's one
    graph holds it.
-7. `end_forward`, after the model: the `Forward` is closed (and the press given the logits if no output head
-   gave them). Host work only, run eagerly.
+7. `end_forward`, after the model: the press given the logits if no output head gave them; after the prompt,
+   the press's `after_prompt` with the model (KVzip's reconstruction forwards); then the `Forward` is closed.
+   Host work only, run eagerly.
 
 Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batch_repeat_interleave`), `crop`,
 `reset` and `deepcopy` are written once here over `RowState`s (`sparsekv.state`), for every press.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -289,11 +291,27 @@ class SparseCache(CacheCopies, RowState, Cache):
         self.forward.logits_read = True  # (before the press: see `CHESSPress.end_forward`)
         self.press.end_forward(Context(self, logits=logits))
 
-    def end_forward(self, logits: torch.Tensor | None) -> None:
+    def end_forward(self, logits: torch.Tensor | None, model: torch.nn.Module | None = None) -> None:
         """After the model, with its next-token `logits` `(batch, q, vocab)` (None if it returned none): the
-        press's `end_forward` if the output head did not give them (`after_head`), then the forward closes."""
+        press's `end_forward` if the output head did not give them (`after_head`); at the prompt's end, its
+        `after_prompt` with the `model` that ran it; then the forward closes."""
         if logits is not None and self.press.reads_logits:
             self.after_head(logits)
+        prompt_in = (self.forward.first or self.pieces is not None) and not self.forward.pieces_left
+        if self.press.reads_prompt_again and prompt_in:
+            if model is None:
+                raise ValueError(f"model: {type(self.press).__name__} runs the model again once the prompt is in; "
+                                 "give end_forward the model.")
+            from .hooks import installed  # (the hooks import this module)
+
+            start = clock()
+            # Its forwards' layer events reach it through the press's hooks (`sparsekv.probe`): installed for them
+            # where the press is not (a replayed `Prefill`).
+            with nullcontext() if installed(model) else self.press(model):
+                kept = self.press.after_prompt(Context(self), model) or {}
+            for i, (scores, budgets) in kept.items():
+                self.layers[i].keep(scores, budgets)
+            self.timed("compress", start)
         if self.pieces is not None and not self.forward.pieces_left:
             self.pieces = None  # the prompt is read and compressed
         if self.compiled and (self.forward.first or self.forward.q_len > 1) and not self.forward.pieces_left:

@@ -16,7 +16,7 @@ from .cache import SparseCache
 
 # The presses whose decoding steps compile.
 COMPILING = ("StreamingLLM's, H2O's, SnapKV's, PyramidKV's, ChunkKV's, CHESS's, SentenceKV's, Knorm's, KeyDiff's, "
-             "TOVA's and ExpectedAttention's, alone or under AdaKV,")
+             "TOVA's and ExpectedAttention's, alone or under AdaKV, and KVzip's")
 
 
 def prefill_locals() -> dict:

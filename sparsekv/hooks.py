@@ -26,6 +26,7 @@ from .generation import (
     prefill_locals, prompt_columns, refuse_cache, static_length, verifies_draft,
 )
 from .log import logger
+from .probe import ProbeCache
 
 _active: weakref.WeakSet = weakref.WeakSet()  # models with a press installed: presses do not nest
 
@@ -167,7 +168,7 @@ def _after_model(inst: Installation, module, args, kwargs, output):
     logits = getattr(output, "logits", None)
     if logits is None and isinstance(output, tuple) and output and torch.is_tensor(output[0]):
         logits = output[0]  # return_dict=False
-    cache.end_forward(logits)
+    cache.end_forward(logits, inst.model)
     prompt_logits, inst.running.prompt_logits = getattr(inst.running, "prompt_logits", None), None
     if prompt_logits is not None and logits is not None:  # a first forward split before its draft
         joined = torch.cat([prompt_logits.to(logits.dtype), logits], dim=1)
@@ -181,6 +182,9 @@ def _after_model(inst: Installation, module, args, kwargs, output):
 def _before_attention(weighing: bool, module, args, kwargs):
     cache = kwargs.get("cache")
     if not isinstance(cache, SparseCache):
+        if isinstance(cache, ProbeCache):  # a press's own forward (`Press.after_prompt`)
+            cache.before(module, kwargs.get("hidden_states", args[0] if args else None),
+                         kwargs.get("position_embeddings"))
         return None
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     mask = cache.before_layer(module, hidden, kwargs.get("position_embeddings"))
@@ -213,3 +217,5 @@ def _after_attention(module, args, kwargs, output):
     cache = kwargs.get("cache")
     if isinstance(cache, SparseCache):
         cache.after_layer(module.layer_idx, output[1] if kwargs.get("keep_weights") else None)
+    elif isinstance(cache, ProbeCache):
+        cache.after(module)

@@ -87,7 +87,7 @@ class Prefill:
             cache.before_layer(modules[i], hidden, position_embeddings)
             cache.update(recorded.keys, recorded.values, i)
             cache.after_layer(i)
-        cache.end_forward(self.logits)
+        cache.end_forward(self.logits, self.model)
         cache.shared = None  # the prompt is done: the cache keeps no reference to the recording
         return cache
 

@@ -86,6 +86,7 @@ class Press:
     reads_step_queries: ClassVar[bool] = False
     scores_steps: ClassVar[bool] = False
     reads_logits: ClassVar[bool] = False
+    reads_prompt_again: ClassVar[bool] = False
     reads_prompt_in_pieces: ClassVar[bool] = False
     joins_rows: ClassVar[bool] = False
     compiled_decoding: ClassVar[bool] = False
@@ -117,6 +118,7 @@ class Press:
         cls.captures_step_queries = cls.captures_step_queries or cls.reads_step_queries
         cls.scores_steps = cls.score_step is not Press.score_step
         cls.reads_logits = cls.end_forward is not Press.end_forward
+        cls.reads_prompt_again = cls.after_prompt is not Press.after_prompt
 
     def __post_init__(self):
         name = type(self).__name__
@@ -218,6 +220,15 @@ class Press:
 
     def end_forward(self, ctx: Context) -> None:
         """After each model forward, with its next-token logits `ctx.logits` `(batch, q, vocab)`."""
+
+    def after_prompt(self, ctx: Context, model: torch.nn.Module) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Once the whole prompt is in (every layer attended it; `ctx.forward` is the prompt's, no layer), before
+        any later forward, eagerly: a press that reads the prompt through forwards of its own runs them on `model`
+        (without a `SparseCache`, so that no press event fires: KVzip's reconstruction) and returns, per layer
+        index, the scores of its slots `(batch, kv_heads, slots)` and the tokens each row and head keeps `(batch,)`
+        or `(batch, kv_heads)`: the core keeps by them (`KVLayer.keep`). None: nothing to keep. Not overridden:
+        nothing runs."""
+        return None
 
     # --- what the press declares to the driver, and `crop` between forwards ------------------------------------
     def holds_budget_while_decoding(self) -> bool:

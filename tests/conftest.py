@@ -132,6 +132,21 @@ TRICKY = (
 
 
 @functools.lru_cache(maxsize=None)
+def byte_tokenizer():
+    """A byte-level tokenizer of exactly the tiny models' vocabulary (the 256 bytes, no merges, no special token):
+    for a press that feeds the model text of its own (KVzip's instruction)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["x"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
 def make_tokenizer():
     """A byte-level BPE (vocabulary > 256, so it decodes every id of the tiny models) trained in memory on text
     full of punctuation, so that tokens such as `.\\n` and `."` exist."""

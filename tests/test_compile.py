@@ -13,13 +13,13 @@ from typing import ClassVar
 import conftest
 import pytest
 import torch
-from conftest import greedy, make_model, make_tokenizer, prompt
+from conftest import byte_tokenizer, greedy, make_model, make_tokenizer, prompt
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from sparsekv import (
-    AdaKVPress, CHESSPress, ChunkPress, ExpectedAttentionPress, H2OPress, KeyDiffPress, KnormPress, PyramidKVPress,
-    SentencePress, SnapKVPress, StoreLayer, StreamingLLMPress, TOVAPress, compile_config,
+    AdaKVPress, CHESSPress, ChunkPress, ExpectedAttentionPress, H2OPress, KeyDiffPress, KnormPress, KVzipPress,
+    PyramidKVPress, SentencePress, SnapKVPress, StoreLayer, StreamingLLMPress, TOVAPress, compile_config,
 )
 from sparsekv.layers import KVLayer
 from sparsekv.presses import chess, sentencekv
@@ -125,7 +125,7 @@ COMPILED = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, r
             KnormPress(ratio=0.25, min_budget=8), KeyDiffPress(ratio=0.25, min_budget=8),
             TOVAPress(ratio=0.25, min_budget=8), *SENTENCE, PyramidKVPress(ratio=0.25, window_size=8),
             AdaKVPress(SnapKVPress(ratio=0.25, window_size=8)), AdaKVPress(TOVAPress(ratio=0.25, min_budget=8)),
-            ExpectedAttentionPress(ratio=0.25, min_budget=8)]
+            ExpectedAttentionPress(ratio=0.25, min_budget=8), KVzipPress(byte_tokenizer(), ratio=0.25, chunk_size=16)]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -462,8 +462,8 @@ def test_a_step_builds_one_mask_and_finds_one_slot_per_layout(press, monkeypatch
         assert cache.one_layout == (len(layouts) == 1)
         if isinstance(press, PyramidKVPress):  # a budget per layer: a layout per layer
             assert len(layouts) == len(cache.layouts)
-        elif not isinstance(press, (ChunkPress, AdaKVPress)):  # (ChunkKV: a layout per count of tokens its chunks
-            assert cache.one_layout  # hold; AdaKV: per split of each row's budget between its heads)
+        elif not isinstance(press, (ChunkPress, AdaKVPress, KVzipPress)):  # (ChunkKV: a layout per count of tokens
+            assert cache.one_layout  # its chunks hold; AdaKV, KVzip: per split of a budget between heads)
         for i, leader in cache.layouts.items():
             assert torch.equal(cache.layers[i].valid, cache.layers[leader].valid)
         twin = copy.deepcopy(cache)

@@ -18,11 +18,11 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from conftest import greedy, make_model, make_tokenizer, prompt
+from conftest import byte_tokenizer, greedy, make_model, make_tokenizer, prompt
 from transformers import DynamicCache, GenerationConfig
 
 import sparsekv
-from sparsekv import CHESSPress, Press, ScorerPress, SentencePress, SnapKVPress, SparseCache, StoreLayer
+from sparsekv import CHESSPress, KVzipPress, Press, ScorerPress, SentencePress, SnapKVPress, SparseCache, StoreLayer
 from sparsekv.presses.sentence_segment import closes_sentence
 
 
@@ -32,7 +32,8 @@ def registered_presses() -> list[type[Press]]:
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        base = cls in (Press, ScorerPress) or issubclass(cls, ScorerPress) and cls.score is ScorerPress.score
+        base = cls in (Press, ScorerPress) or (issubclass(cls, ScorerPress) and cls.score is ScorerPress.score
+                                               and cls.compress is ScorerPress.compress)  # (KVzip keeps its own way)
         if cls.__module__.startswith("sparsekv.") and not base and cls not in found:
             found.append(cls)
     return sorted(found, key=lambda c: c.__name__)
@@ -47,7 +48,8 @@ class SentencePressRankedPerLayer(SentencePress):
 
 PRESSES = registered_presses() + [SentencePressRankedPerLayer]
 # Options sized for 64-token prompts, applied where a press has the field; CHESS re-selects at every step.
-TINY = {"window_size": 8, "min_budget": 8, "chunk_size": 4, "page_size": 8, "n_sinks": 4, "reselect": "always"}
+TINY = {"window_size": 8, "min_budget": 8, "chunk_size": 4, "page_size": 8, "n_sinks": 4, "reselect": "always",
+        "n_sink": 8}
 ARCHS = ("llama", "qwen3", "phi3", "gemma3")
 
 
@@ -55,7 +57,8 @@ def tiny_press(cls, **budget) -> Press:
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     if "press" in names:  # a wrapper (AdaKV): over SnapKV, whose options take the budget
         return cls(tiny_press(SnapKVPress, **budget))
-    args = (make_tokenizer(),) if "tokenizer" in names else ()
+    # (KVzip feeds the model its own text: a tokenizer of exactly the tiny models' vocabulary)
+    args = ((byte_tokenizer() if cls is KVzipPress else make_tokenizer()),) if "tokenizer" in names else ()
     if "budget" in budget and "budget" not in names:  # CHESS's budget is what a step reads
         budget = {"read_budget": budget["budget"]}
     return cls(*args, **{k: v for k, v in TINY.items() if k in names}, **(budget or {"ratio": 0.25}))

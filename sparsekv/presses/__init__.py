@@ -7,6 +7,7 @@ from .expected_attention import ExpectedAttentionPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
 from .knorm import KnormPress
+from .kvzip import KVzipPress
 from .pyramidkv import PyramidKVPress
 from .registry import make_press, press_class, registered
 from .sentencekv import SentencePress
@@ -19,6 +20,7 @@ SentenceKVPress = SentencePress
 
 __all__ = [
     "AdaKVPress", "CHESSPress", "ChunkKVPress", "ChunkPress", "ExpectedAttentionPress", "H2OPress", "KeyDiffPress",
-    "KnormPress", "PyramidKVPress", "SentenceKVPress", "SentencePress", "SnapKVPress", "StreamingLLMPress",
+    "KVzipPress", "KnormPress", "PyramidKVPress", "SentenceKVPress", "SentencePress", "SnapKVPress",
+    "StreamingLLMPress",
     "TOVAPress", "make_press", "press_class", "registered",
 ]

@@ -27,6 +27,7 @@ from .chunkkv import ChunkPress
 from .expected_attention import ExpectedAttentionPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
+from .kvzip import KVzipPress
 from .knorm import KnormPress
 from .pyramidkv import PyramidKVPress
 from .sentencekv import SentencePress
@@ -48,6 +49,7 @@ BUILT_IN: dict[str, type[Press]] = {
     "pyramidkv": PyramidKVPress,
     "expectedattention": ExpectedAttentionPress,
     "adakv": AdaKVPress,
+    "kvzip": KVzipPress,
 }
 
 
