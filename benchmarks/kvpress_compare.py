@@ -28,7 +28,8 @@ StreamingLLMPress (4 sinks) / StreamingLLMPress; `observed` ObservedAttentionPre
 over the prompt, eager attention, prefill only) / H2OPress; `adakv` AdaKVPress(SnapKVPress) / AdaKVPress;
 `pyramidkv` PyramidKVPress (64-token window, 5-token kernel) / PyramidKVPress; `expectedattention`
 ExpectedAttentionPress / ExpectedAttentionPress; `adakv-expectedattention` AdaKVPress(ExpectedAttentionPress) /
-`adakv:press=expectedattention`; `knorm` KnormPress / KnormPress.
+`adakv:press=expectedattention`; `knorm` KnormPress / KnormPress; `kvzip` KVzipPress / KVzipPress (kvpress's
+loads the model's tokenizer from `config.name_or_path`: a copy saved beside `--out`).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def export(args) -> None:
 def make_press(name: str, ratio: float):
     """kvpress's press `name` keeping `ratio` of the KV."""
     from kvpress import (
-        AdaKVPress, ChunkKVPress, ExpectedAttentionPress, KnormPress, ObservedAttentionPress, PyramidKVPress,
-        SnapKVPress, StreamingLLMPress,
+        AdaKVPress, ChunkKVPress, ExpectedAttentionPress, KnormPress, KVzipPress, ObservedAttentionPress,
+        PyramidKVPress, SnapKVPress, StreamingLLMPress,
     )
 
     removed = 1.0 - ratio
@@ -84,6 +85,7 @@ def make_press(name: str, ratio: float):
         "chunkkv": lambda: ChunkKVPress(press=SnapKVPress(compression_ratio=removed)),
         "streamingllm": lambda: StreamingLLMPress(compression_ratio=removed),
         "observed": lambda: ObservedAttentionPress(compression_ratio=removed),
+        "kvzip": lambda: KVzipPress(compression_ratio=removed),
     }
     if name not in presses:
         raise SystemExit(f"--presses: {name!r} is not one of {', '.join(presses)}.")
@@ -144,6 +146,10 @@ def run(args) -> None:
             if attention not in models:
                 model = AutoModelForCausalLM.from_pretrained(
                     path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation=attention).eval()
+                # kvpress's KVzip loads the tokenizer from `config.name_or_path`, which a GGUF file is not
+                saved = Path(args.out).with_suffix(".tokenizer")
+                tokenizer.save_pretrained(saved)
+                model.config.name_or_path = str(saved)
                 eos = model.generation_config.eos_token_id
                 models[attention] = model, set(eos if isinstance(eos, list) else [eos])
             model, eos = models[attention]
