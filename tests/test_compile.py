@@ -125,7 +125,8 @@ COMPILED = [StreamingLLMPress(ratio=0.25, window_size=1), H2OPress(ratio=0.25, r
             KnormPress(ratio=0.25, min_budget=8), KeyDiffPress(ratio=0.25, min_budget=8),
             TOVAPress(ratio=0.25, min_budget=8), *SENTENCE, PyramidKVPress(ratio=0.25, window_size=8),
             AdaKVPress(SnapKVPress(ratio=0.25, window_size=8)), AdaKVPress(TOVAPress(ratio=0.25, min_budget=8)),
-            ExpectedAttentionPress(ratio=0.25, min_budget=8), KVzipPress(byte_tokenizer(), ratio=0.25, chunk_size=16)]
+            ExpectedAttentionPress(ratio=0.25, min_budget=8), KVzipPress(byte_tokenizer(), ratio=0.25, chunk_size=16,
+                                                              min_budget=8)]
 
 
 @dataclasses.dataclass(kw_only=True)

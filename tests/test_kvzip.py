@@ -30,7 +30,7 @@ def test_scores_are_the_reconstructions_own_attention(tok, arch):
     prompt followed by the instruction, the template's tail and the prompt again)."""
     model = make_model(arch, "eager").double()
     ids = prompt(40, seed=2)
-    press = KVzipPress(tok, ratio=0.5, n_sink=0, chunk_size=64)
+    press = KVzipPress(tok, ratio=0.5, n_sink=0, chunk_size=64, min_budget=1)
     prefill = Prefill.run(model, ids)
     cache = press.make_cache(model)
     cache.layers = prefill.cache.layers  # the prompt, held whole (what `compress` leaves)
@@ -51,7 +51,8 @@ def test_one_budget_across_layers_and_heads(tok, layerwise):
     `layerwise`, budget times heads in each layer, shared by its heads."""
     model = make_model("llama")
     ids = prompt(120, seed=3)
-    cache = Prefill.run(model, ids).compress(KVzipPress(tok, ratio=0.25, chunk_size=50, layerwise=layerwise))
+    press = KVzipPress(tok, ratio=0.25, chunk_size=50, layerwise=layerwise, min_budget=8)
+    cache = Prefill.run(model, ids).compress(press)
     counts = torch.stack(kept(cache))  # (layers, batch, heads)
     heads, budget = counts.shape[-1], 30
     if layerwise:
@@ -67,7 +68,7 @@ def test_one_budget_across_layers_and_heads(tok, layerwise):
 def test_rows_of_a_padded_batch_are_reconstructed_alone(tok):
     """A left-padded batch keeps, per row, the tokens that row keeps alone."""
     model = make_model("llama").double()
-    press = KVzipPress(tok, ratio=0.3, chunk_size=32)
+    press = KVzipPress(tok, ratio=0.3, chunk_size=32, min_budget=8)
     ids = prompt(70, batch=2, seed=4)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
@@ -85,7 +86,7 @@ def test_generate_keeps_what_the_replayed_prefill_keeps(tok):
     """generate's prefill under the press and `Prefill.compress` (sparsekv eval's) build the same cache."""
     model = make_model("llama")
     ids = prompt(90, seed=5)
-    press = KVzipPress(tok, ratio=0.25, chunk_size=40)
+    press = KVzipPress(tok, ratio=0.25, chunk_size=40, min_budget=8)
     cache = press.make_cache(model)
     with press(model):
         out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
@@ -100,11 +101,13 @@ def test_generate_keeps_what_the_replayed_prefill_keeps(tok):
 def test_refusals(tok):
     with pytest.raises(ValueError, match="tokenizer is required"):
         KVzipPress(ratio=0.5)
-    with pytest.raises(ValueError, match="n_sink"):
+    with pytest.raises(ValueError, match="budget=2 must be at least min_budget=64"):
         KVzipPress(tok, budget=2)
+    with pytest.raises(ValueError, match="budget=4 must be at least n_sink=8"):
+        KVzipPress(tok, budget=4, n_sink=8, min_budget=2)
     from conftest import make_tokenizer
 
     model = make_model("llama")
     with pytest.raises(ValueError, match="exceed the model's vocabulary; give the press the model's own tokenizer"):
-        with KVzipPress(make_tokenizer(), ratio=0.5)(model):
+        with KVzipPress(make_tokenizer(), ratio=0.5, min_budget=8)(model):
             model.generate(prompt(60, seed=1).clamp(max=250) + 5, max_new_tokens=2)

@@ -13,8 +13,8 @@ from ..attention import project_queries
 from ..context import Context
 from ..layers import KVLayer
 from ..options import check_number
-from ..press import ScorerPress
 from ..probe import ProbeCache
+from .floored import FlooredScorerPress
 from ..state import RowState
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -31,7 +31,7 @@ class KVzipState(RowState):
 
 
 @dataclass(kw_only=True)
-class KVzipPress(ScorerPress):
+class KVzipPress(FlooredScorerPress):
     """Keep the KV the model reads most while it *reconstructs* the prompt: query-agnostic, so that one
     compressed context serves any later question.
 
@@ -54,7 +54,9 @@ class KVzipPress(ScorerPress):
     Args:
         tokenizer: the model's tokenizer (required: the reconstruction's instruction is text, in its chat template).
         ratio: fraction of each prompt's KV kept, over all layers and heads together, in (0, 1].
-        budget: tokens kept per prompt, per layer and head on average (at least `n_sink`).
+        budget: tokens kept per prompt, per layer and head on average (at least `min_budget` and `n_sink`).
+        min_budget: the fewest tokens a row keeps (default 64, sparsekv's, as its other kvpress scorers: a chat
+            turn is kept whole; kvpress and the paper keep the sinks alone).
         layerwise: each layer keeps its own share (its heads still share it by score; kvpress's `layerwise`).
             Default False: one budget across layers, as KVzip.
         n_sink: first tokens always kept, the attention sinks (default 4, kvpress's).
@@ -69,7 +71,6 @@ class KVzipPress(ScorerPress):
     compiled_decoding: ClassVar[bool] = True  # its steps append only (a compiled cache's free slots)
 
     def __post_init__(self):
-        super().__post_init__()
         name = type(self).__name__
         if self.tokenizer is None:
             raise ValueError(f"{name}: tokenizer is required (the model's tokenizer, for the reconstruction's "
@@ -78,10 +79,12 @@ class KVzipPress(ScorerPress):
             raise TypeError(f"{name}: layerwise must be True or False; got {self.layerwise!r}.")
         self.n_sink = check_number(name, "n_sink", self.n_sink, integer=True, low=0, unit="tokens")
         self.chunk_size = check_number(name, "chunk_size", self.chunk_size, integer=True, low=1, unit="tokens")
-        self.check_floor()
+        super().__post_init__()  # ratio or budget, min_budget, the floor
 
     def min_kept(self) -> tuple[int, str]:
-        return max(self.n_sink, 1), f"n_sink={self.n_sink}"
+        if self.n_sink > self.min_budget:
+            return self.n_sink, f"n_sink={self.n_sink}"
+        return self.min_budget, f"min_budget={self.min_budget}"
 
     def prompt_tail(self) -> int | None:
         return 0  # `compress` reads nothing: a prompt read in pieces is reconstructed once all is in
