@@ -14,7 +14,7 @@ the venv it needs, passing token ids through files so that both libraries see th
     # 3. sparsekv's venv: scored with `sparsekv eval`'s scoring, one row per press and ratio (the mean over the
     #    tasks), beside sparsekv's own runs of the same prompts (`--sparsekv`), as a table and a plot
     python -m benchmarks.kvpress_compare score --replies replies.jsonl --sparsekv results/smollm2-135m \
-        --markdown --plot ruler.png
+        --markdown --plot ruler.png                  # --sparsekv takes several folders
 
 `--mode question` (the default, as `sparsekv eval`'s) compresses the whole prompt, question included, in one
 forward under the press; `--mode agnostic` compresses the context alone and reads the question from that cache,
@@ -177,7 +177,8 @@ def cells(args) -> dict[tuple[str, str, float, str], dict[str, list[float]]]:
     if getattr(args, "sparsekv", None):
         tasks, lengths = {r["task"] for r in replies}, {r["length"] for r in replies}
         modes = {r["mode"] for r in replies}
-        for m in load_results(args.sparsekv):
+        folders = [args.sparsekv] if isinstance(args.sparsekv, str) else args.sparsekv
+        for m in (m for folder in folders for m in load_results(folder)):
             if m["task"] in tasks and m["length"] in lengths and (m["press"] == "full" or m["mode"] in modes):
                 key = ("sparsekv", m["press"], m["ratio"], "-" if m["press"] == "full" else m["mode"])
                 # a run's score is its samples' mean, weighted back into samples
@@ -206,7 +207,7 @@ def score(args) -> None:
                      "samples": n, "accuracy": mean, "interval": None if mean is None else f"[{low:.0f}, {high:.0f}]"})
     if len(tasks) > 1:
         print(f"mean over {len(tasks)} tasks: {', '.join(tasks)}")
-    print(format_table(rows, [("press", "press", ""), ("ratio", "ratio", ".2f"), ("mode", "mode", ""),
+    print(format_table(rows, [("press", "press", ""), ("ratio", "ratio", "g"), ("mode", "mode", ""),
                               ("samples", "samples", "d"), ("accuracy %", "accuracy", ".1f"),
                               ("95% interval", "interval", "")]))
     if getattr(args, "markdown", False):
@@ -287,7 +288,8 @@ def main() -> None:
     r.add_argument("--out", default="replies.jsonl")
     s = steps.add_parser("score", help="sparsekv's venv: the replies scored as sparsekv eval scores")
     s.add_argument("--replies", default="replies.jsonl")
-    s.add_argument("--sparsekv", help="a `sparsekv eval --out` folder (the model's): its runs beside kvpress's")
+    s.add_argument("--sparsekv", nargs="+", help="`sparsekv eval --out` folders (the model's): their runs beside "
+                   "kvpress's")
     s.add_argument("--plot", help="PNG file: score against kept fraction, a line per press")
     s.add_argument("--title", help="the plot's title (default: the replies file's name)")
     s.add_argument("--markdown", action="store_true", help="the table in Markdown")

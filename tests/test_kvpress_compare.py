@@ -57,7 +57,7 @@ def test_replies_are_scored_as_sparsekv_eval_scores_them(tmp_path, capsys):
     kvpress_compare.score(argparse.Namespace(replies=str(replies)))
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("kvpress")]
     assert [line[:6] for line in lines] == [["kvpress", "snapkv", "0.25", "question", "1", "100.0"],
-                                            ["kvpress", "snapkv", "0.10", "question", "3", "66.7"]]
+                                            ["kvpress", "snapkv", "0.1", "question", "3", "66.7"]]
 
 
 def test_rulers_mean_beside_sparsekv_runs(tmp_path, capsys):
@@ -86,9 +86,9 @@ def test_rulers_mean_beside_sparsekv_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     table = {tuple(line.split()[:3]): line.split()[3:6] for line in out.splitlines()
              if line.startswith(("kvpress", "sparsekv"))}
-    assert table[("kvpress", "snapkv", "0.50")] == ["agnostic", "2", "50.0"]
-    assert table[("sparsekv", "snapkv", "0.50")] == ["agnostic", "4", "75.0"]
+    assert table[("kvpress", "snapkv", "0.5")] == ["agnostic", "2", "50.0"]
+    assert table[("sparsekv", "snapkv", "0.5")] == ["agnostic", "4", "75.0"]
     assert table[("sparsekv", "snapkv", "0.25")] == ["agnostic", "2", "-"]
-    assert table[("kvpress", "full", "1.00")][:3] == ["-", "2", "100.0"]
+    assert table[("kvpress", "full", "1")][:3] == ["-", "2", "100.0"]
     assert "| sparsekv snapkv | **75.0** | - |  | 4 |" in out and "| kvpress snapkv | 50.0 | - |  | 2 |" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
