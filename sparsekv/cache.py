@@ -27,8 +27,9 @@ each hands the press one `Context` (`sparsekv.context`), made once per layer and
    the press's `after_prompt` with the model (KVzip's reconstruction forwards); then the `Forward` is closed.
    Host work only, run eagerly.
 
-Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batch_repeat_interleave`), `crop`,
-`reset` and `deepcopy` are written once here over `RowState`s (`sparsekv.state`), for every press.
+Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batch_repeat_interleave`:
+`sparsekv.rows`), `crop`, `reset` and `deepcopy` (`sparsekv.copies`) are written once over `RowState`s
+(`sparsekv.state`), for every press.
 """
 
 from __future__ import annotations
@@ -51,14 +52,15 @@ from .join import join_caches
 from .layers import KVLayer
 from .masks import check_left_padded, padding_mask, physical_mask, step_layouts
 from .pieces import PromptPieces
-from .state import RowState, row_index
+from .rows import CacheRows
+from .state import RowState
 from .stats import CacheStats, cache_stats, prompt_kept
 
 # `before_layer`'s answer when the layer keeps transformers' mask (its layout is the logical one).
 KEEP_MASK = object()
 
 
-class SparseCache(CacheCopies, RowState, Cache):
+class SparseCache(CacheCopies, CacheRows, RowState, Cache):
     """A transformers `Cache` whose full-attention layers are the press's `KVLayer`s; the driver of a forward.
 
     Attributes:
@@ -361,29 +363,7 @@ class SparseCache(CacheCopies, RowState, Cache):
                 f"{layer_idx}); continue it inside `with press(model):` on the model the press was installed on.")
         return forward
 
-    # --- generic state operations: every press, every layer --------------------------------------------------
-    def _map_rows(self, op: str, arg) -> None:
-        if self.prompt_lengths is None:
-            return
-        fn, batch = row_index(op, arg), self.prompt_lengths.shape[0]
-        name = {"reorder": "reorder_cache", "select": "batch_select_indices", "repeat": "batch_repeat_interleave"}
-        for layer in self.layers:
-            if isinstance(layer, RowState):
-                layer.map_rows(fn, batch)
-            else:
-                getattr(layer, name[op])(arg)
-        self.map_rows(fn, batch)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row `i` becomes row `beam_idx[i]`, in every layer and every piece of press state."""
-        self._map_rows("reorder", beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows("select", indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows("repeat", repeats)
-
+    # --- generic state operations: every press, every layer (the batch's: `sparsekv.rows`) ----------------
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` tokens (assisted decoding's rejected draft): the press takes back
         what they added to its state (`Press.crop`), and every layer drops their KV."""
