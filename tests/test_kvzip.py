@@ -35,8 +35,8 @@ def test_scores_are_the_reconstructions_own_attention(tok, arch):
     cache = press.make_cache(model)
     cache.layers = prefill.cache.layers  # the prompt, held whole (what `compress` leaves)
     with press(model):  # (the press's hooks hand its reconstruction's layer events to it)
-        got = press.reconstruction_scores(model, cache, ids[0], 0)
-    probe = tok(FIRST, add_special_tokens=False).input_ids + press.template()[1]
+        got = press.reconstruction_scores(model, cache, ids[0], 0, press.instruction())
+    probe = tok(FIRST, add_special_tokens=False).input_ids + press.instruction()[1]
     full = torch.cat([ids, torch.tensor([probe]), ids], dim=1)
     out = model(full, output_attentions=True)
     n, groups = ids.shape[1], model.config.num_attention_heads // model.config.num_key_value_heads

@@ -14,8 +14,8 @@ from ..context import Context
 from ..layers import KVLayer
 from ..options import check_number
 from ..probe import ProbeCache
-from .floored import FlooredScorerPress
 from ..state import RowState
+from .floored import FlooredScorerPress
 
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -107,8 +107,8 @@ class KVzipPress(FlooredScorerPress):
             return {}
         layers = [i for i, layer in enumerate(ctx.cache.layers) if isinstance(layer, KVLayer)]
         start = ctx.prompt_start.tolist()
-        own = [i for text in (FIRST, LATER) for i in self.tokenizer(text, add_special_tokens=False).input_ids]
-        if max(int(ids.max()), *own, *self.template()[1]) >= model.get_input_embeddings().num_embeddings:
+        words = self.instruction()
+        if max(int(ids.max()), *(i for part in words for i in part)) >= model.get_input_embeddings().num_embeddings:
             raise ValueError(f"{type(self).__name__}: the tokenizer's ids exceed the model's vocabulary; give the "
                              "press the model's own tokenizer.")
         width = ids.shape[1]  # the prompt's slots, left padding first
@@ -116,7 +116,7 @@ class KVzipPress(FlooredScorerPress):
                             float("-inf"))
         for b, s in enumerate(start):  # each row's prompt reconstructed alone, its scores at its real slots
             row = ctx.prompt_work(("kvzip", self.n_sink, self.chunk_size, b),
-                                  lambda b=b, s=s: self.reconstruction_scores(model, ctx.cache, ids[b, s:], b))
+                                  lambda b=b, s=s: self.reconstruction_scores(model, ctx.cache, ids[b, s:], b, words))
             scores[:, b, :, s:] = torch.stack(row).cpu()
         keep = self.head_budgets_by_layer(scores, budgets)  # (layers, batch, heads)
         device = {i: ctx.cache.layers[i].keys.device for i in layers}
@@ -129,7 +129,7 @@ class KVzipPress(FlooredScorerPress):
         n_layers, batch, heads, _ = scores.shape
         counts = torch.zeros(n_layers, batch, heads, dtype=torch.long)
         for b in range(batch):
-            row = scores[:, b].float().cpu()
+            row = scores[:, b]
             if self.layerwise:
                 flat, k = row.reshape(n_layers, -1), min(int(budgets[b]) * heads, row[0].numel())
                 chosen = flat.topk(k, dim=-1).indices  # (layers, k)
@@ -141,24 +141,28 @@ class KVzipPress(FlooredScorerPress):
         return counts
 
     # --- the reconstruction -----------------------------------------------------------------------------------
-    def template(self) -> tuple[list[int], list[int]]:
-        """The chat template's head (before the user's text) and tail (after it, up to the reply), as token ids;
-        without a template, no head and a newline (kvpress's)."""
+    def instruction(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Token ids, tokenized once per prompt: the chat template's head (before the user's text) and tail
+        (after it, up to the reply), without a template no head and a newline (kvpress's); the first chunk's
+        instruction, and a later chunk's."""
         tok = self.tokenizer
+        ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
         if not getattr(tok, "chat_template", None):
-            return [], tok("\n", add_special_tokens=False).input_ids
-        dummy, separator = "dummy context", "\n" + "#" * 13
-        text = tok.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
-                                       tokenize=False)
-        head, tail = text.split(separator)
-        return (tok(head.split(dummy)[0], add_special_tokens=False).input_ids,
-                tok(tail, add_special_tokens=False).input_ids)
+            head, tail = [], ids("\n")
+        else:
+            dummy, separator = "dummy context", "\n" + "#" * 13
+            text = tok.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                           add_generation_prompt=True, tokenize=False)
+            head, tail = text.split(separator)
+            head, tail = ids(head.split(dummy)[0]), ids(tail)
+        return head, tail, ids(FIRST), ids(LATER)
 
-    def reconstruction_scores(self, model, cache, ids: torch.Tensor, row: int) -> list[torch.Tensor]:
+    def reconstruction_scores(self, model, cache, ids: torch.Tensor, row: int, words: tuple) -> list[torch.Tensor]:
         """Per compressed layer of `cache`, `(kv_heads, n)` the score of each of the row's `n` real prompt tokens
-        `ids`: the most attention a reconstructing query pays it (0 for the template's head, +inf for the sinks)."""
+        `ids`: the most attention a reconstructing query pays it (0 for the template's head, +inf for the sinks);
+        `words` the `instruction`'s ids."""
         n = ids.shape[0]
-        head, tail = self.template()
+        head, tail, first, later = words
         offset = len(head) if ids[:len(head)].tolist() == head else 0
         layers = {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, KVLayer)}
         scores = {i: layer.keys.new_zeros(layer.keys.shape[1], n, dtype=torch.float32) for i, layer in layers.items()}
@@ -196,8 +200,7 @@ class KVzipPress(FlooredScorerPress):
         decoder = model.get_decoder()
         for s in range(offset, n, self.chunk_size):
             e = min(s + self.chunk_size, n)
-            ask = self.tokenizer(FIRST if s == offset else LATER, add_special_tokens=False).input_ids
-            ask += [] if s == offset else ids[max(offset, s - 8):s].tolist()  # kvpress: its last 8 tokens
+            ask = first if s == offset else later + ids[max(offset, s - 8):s].tolist()  # kvpress: its last 8 tokens
             probe = torch.cat([torch.tensor([ask + tail], device=ids.device), ids[None, s:e]], dim=1)
             chunk["span"], chunk["cache"] = (s, e), prompt_only()
             positions = torch.arange(n, n + probe.shape[1], device=ids.device)[None]
