@@ -1,6 +1,6 @@
 """Head-wise and layer-wise budgets against the uniform press they build on: the KV a cache holds after the
-prompt, how much of it is real tokens (the rest: filler slots of heads keeping fewer than their layer's widest),
-and an eager decoding step's time.
+prompt, how much of it is real tokens (the rest: a lane's free slots, or filler slots of a padded table), and an
+eager decoding step's time.
 
     python -m benchmarks.head_budgets --length 4096 --ratios 0.1,0.25
     python -m benchmarks.head_budgets --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda --length 32768
@@ -14,7 +14,6 @@ import statistics
 import torch
 
 from sparsekv.evaluation.presses import make_press
-from sparsekv.layers import KVLayer
 from sparsekv.presses.registry import split_specs
 from sparsekv.table import format_table
 
@@ -28,10 +27,8 @@ def measure(model, ids: torch.Tensor, press, steps: int) -> dict:
     with press(model), torch.no_grad():
         cache = press.make_cache(model)
         token = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        layers = [layer for layer in cache.layers if isinstance(layer, KVLayer)]
-        real = sum(int(layer.valid.sum()) for layer in layers)
-        slots = sum(layer.valid.numel() for layer in layers)
-        held = cache.stats().kv_bytes
+        stats = cache.stats()  # (per layer: slots held per head, its lanes' too, and the real tokens among them)
+        real, slots, held = sum(stats.attended_tokens), sum(stats.resident_tokens), stats.kv_bytes
         times = []
         for _ in range(steps + 1):
             seconds, token = step_seconds(model, cache, token)

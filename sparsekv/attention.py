@@ -16,6 +16,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .lanes import Lanes, lane_attention
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -126,16 +128,21 @@ def as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-# The attention implementations whose decoding steps can keep their weights (`keeping_weights`): flash attention
-# takes a mask of its own form and is for GPUs, where a press that reads a step's attention recomputes it.
-WEIGHTS_KEPT_OVER = ("sdpa", "eager")
+# The attention implementations sparsekv runs inside its own (`sparsekv_implementation`): flash attention takes
+# a mask of its own form and is for GPUs, where a press that reads a step's attention recomputes it.
+WRAPPED = ("sdpa", "eager")
 _PREFIX = "sparsekv_"  # of the wrapped implementations' names: "sparsekv_sdpa", "sparsekv_eager"
 
 
 def model_implementation(name: str) -> str:
     """The model's own attention implementation behind `name` (a model's `config._attn_implementation`, which
-    is sparsekv's `keeping_weights` name inside the `with` block of a press that reads a step's attention)."""
+    is sparsekv's `sparsekv_implementation` name inside a press's `with` block)."""
     return name.removeprefix(_PREFIX)
+
+
+def is_sparsekv_implementation(name: str) -> bool:
+    """Whether `name` is one of sparsekv's attention implementations (`sparsekv_implementation`)."""
+    return name.startswith(_PREFIX)
 
 
 def module_implementation(module) -> str:
@@ -144,18 +151,22 @@ def module_implementation(module) -> str:
     return model_implementation(module.config._attn_implementation)
 
 
-def keeping_weights(name: str) -> str | None:
-    """The attention implementation that runs the model's own (`name`) and, at a layer's call asked to by
-    sparsekv's hooks (the `keep_weights` keyword), computes softmax attention itself and returns its weights
-    (`attention_with_weights`): registered with transformers' `AttentionInterface` (and the mask function of
-    `name`) under its own name, which it returns. None where `name` is not one of `WEIGHTS_KEPT_OVER`."""
-    if name not in WEIGHTS_KEPT_OVER:
+def sparsekv_implementation(name: str) -> str | None:
+    """The attention implementation that runs the model's own (`name`) and, at a layer's call given them by
+    sparsekv's hooks, computes softmax attention itself: over a layer's lanes too (the `lanes` keyword:
+    `sparsekv.lanes.lane_attention`), or to return its weights (the `keep_weights` keyword:
+    `attention_with_weights`). Registered with transformers' `AttentionInterface` (and the mask function of
+    `name`) under its own name, which it returns. None where `name` is not one of `WRAPPED`."""
+    if name not in WRAPPED:
         return None
     wrapped = _PREFIX + name
     if wrapped not in ALL_ATTENTION_FUNCTIONS.valid_keys():
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(name, None)  # None: "eager" (each model has its own)
 
-        def attention(module, query, key, value, attention_mask, keep_weights: bool = False, **kwargs):
+        def attention(module, query, key, value, attention_mask, keep_weights: bool = False,
+                      lanes: Lanes | None = None, **kwargs):
+            if lanes is not None:
+                return lane_attention(module, query, key, value, attention_mask, lanes, **kwargs)
             # (attention sinks, `s_aux`, which no model sparsekv serves has: the model's own, weights computed again)
             if keep_weights and not module.training and kwargs.get("s_aux") is None:
                 return attention_with_weights(module, query, key, value, attention_mask, **kwargs)

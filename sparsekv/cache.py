@@ -24,8 +24,8 @@ each hands the press one `Context` (`sparsekv.context`), made once per layer and
    `end_forward` (CHESS's uncertainty trigger and selection), inside the forward, so that a compiled step's one
    graph holds it.
 7. `end_forward`, after the model: the press given the logits if no output head gave them; after the prompt,
-   the press's `after_prompt` with the model (KVzip's reconstruction forwards); then the `Forward` is closed.
-   Host work only, run eagerly.
+   the press's `after_prompt` with the model (KVzip's reconstruction forwards), and layers whose heads hold
+   different numbers of tokens moved into lanes (`sparsekv.lanes`); then the `Forward` is closed. Host work only.
 
 Batch operations (`reorder_cache` for beam search, `batch_select_indices`, `batch_repeat_interleave`:
 `sparsekv.rows`), `crop`, `reset` and `deepcopy` (`sparsekv.copies`) are written once over `RowState`s
@@ -43,18 +43,19 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
-from .attention import AttentionCall, module_implementation, query_groups
+from .attention import AttentionCall, is_sparsekv_implementation, module_implementation, query_groups
 from .buffers import step_state
 from .context import Context, hold_budget
 from .copies import CacheCopies, _load_cache  # noqa: F401 (pickles made before name it here)
 from .forward import Forward, check_inputs
 from .join import join_caches
+from .lanes import pack_layers
 from .layers import KVLayer
 from .masks import check_left_padded, padding_mask, physical_mask, step_layouts
 from .pieces import PromptPieces
 from .rows import CacheRows
 from .state import RowState
-from .stats import CacheStats, cache_stats, prompt_kept
+from .stats import CacheStats, cache_stats, clock, prompt_kept
 
 # `before_layer`'s answer when the layer keeps transformers' mask (its layout is the logical one).
 KEEP_MASK = object()
@@ -245,7 +246,7 @@ class SparseCache(CacheCopies, CacheRows, RowState, Cache):
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def keeps_weights(self) -> bool:
-        """Whether the forward's attention keeps its weights for the press (`attention.keeping_weights`): after
+        """Whether the forward's attention keeps its weights for the press (`attention.sparsekv_implementation`): after
         the prompt, under a press that reads them (`Press.reads_step_attention`)."""
         return self.press.reads_step_attention and not self.forward.first and self.pieces is None
 
@@ -314,6 +315,8 @@ class SparseCache(CacheCopies, CacheRows, RowState, Cache):
             for i, (scores, budgets) in kept.items():
                 self.layers[i].keep(scores, budgets)
             self.timed("compress", start)
+        if prompt_in and model is not None and is_sparsekv_implementation(model.config._attn_implementation):
+            pack_layers(self)  # heads of different lengths: each holds its own tokens (sparsekv's attention reads)
         if self.pieces is not None and not self.forward.pieces_left:
             self.pieces = None  # the prompt is read and compressed
         if self.compiled and (self.forward.first or self.forward.q_len > 1) and not self.forward.pieces_left:
@@ -338,6 +341,8 @@ class SparseCache(CacheCopies, CacheRows, RowState, Cache):
                 if getattr(self, name) is not None:  # (a press that keeps every token may set no budgets)
                     self.on(name, layer.device)
             self._gather_chosen(Context(self, layer), in_place=False)  # the first step's, which its slot joins
+            for t in () if layer.lanes is None else layer.lanes.tensors():  # (read by every step, as they are)
+                step_state(t)
             if holds:  # room up to the largest budget: the row's, or the layer's own head-wise one
                 layer.make_step_room((layer.largest_budget or self.largest_budget) - layer.slots)
             else:
@@ -390,9 +395,3 @@ class SparseCache(CacheCopies, CacheRows, RowState, Cache):
     def prompt_kept(self) -> dict[int, torch.Tensor]:
         """Per compressed layer, `(batch, kv_heads, prompt)` booleans: the prompt tokens whose KV it reads now."""
         return prompt_kept(self)
-
-
-def clock() -> float | None:
-    """Now, to time press work (`SparseCache.seconds`); None inside a compiled forward, whose press work is not
-    timed: the clock is not traced (a graph break at every layer), and a compiled graph runs as one piece."""
-    return None if torch.compiler.is_compiling() else time.perf_counter()

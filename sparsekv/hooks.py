@@ -19,7 +19,7 @@ import torch
 from transformers import StaticCache
 
 from .architectures import check_model, head_logits, output_head
-from .attention import keeping_weights, query_projection
+from .attention import is_sparsekv_implementation, query_projection, sparsekv_implementation
 from .cache import KEEP_MASK, SparseCache
 from .generation import (
     compile_in_block, draft_length, eager_notice, fresh_default, pieces_after, prefill_before_draft,
@@ -77,17 +77,19 @@ def install(press, model: torch.nn.Module):
     _active.add(model)
     own = model.config._attn_implementation
     try:
-        # A press that reads a step's attention gets the weights the attention computed, not computed again: for
-        # the block, the model's implementation runs inside one that can keep them (`keeping_weights`).
-        weighing = keeping_weights(own) if press.reads_step_attention else None
-        if weighing is not None:
-            model.set_attn_implementation(weighing)
+        # For the block, the model's implementation runs inside sparsekv's, which reads a layer's lanes (heads
+        # of different lengths) and keeps a step's attention weights for a press that reads them, not computed
+        # again (`sparsekv_implementation`).
+        wrapped = sparsekv_implementation(own)
+        if wrapped is not None:
+            model.set_attn_implementation(wrapped)
+        weighing = wrapped is not None and press.reads_step_attention
         handles.append(model.register_forward_pre_hook(partial(_before_model, inst), with_kwargs=True))
         handles.append(model.register_forward_hook(partial(_after_model, inst), with_kwargs=True))
         head = output_head(model) if press.reads_logits else None
         if head is not None:  # inside the model's forward: a compiled step's graph holds the press's end_forward
             handles.append(head.register_forward_hook(partial(_after_head, inst)))
-        before = partial(_before_attention, weighing is not None)
+        before = partial(_before_attention, weighing)
         for module in targets:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
@@ -189,12 +191,19 @@ def _before_attention(weighing: bool, module, args, kwargs):
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     mask = cache.before_layer(module, hidden, kwargs.get("position_embeddings"))
     keep = weighing and cache.keeps_weights()  # (`weighing`: the attention can keep them, `install`)
-    if mask is KEEP_MASK and not keep:
+    lanes = getattr(cache.layers[module.layer_idx], "lanes", None)
+    if mask is KEEP_MASK and not keep and lanes is None:
         return None
     if mask is not KEEP_MASK:
         kwargs["attention_mask"] = mask
+    if lanes is not None:  # (to `sparsekv_implementation`'s attention, which reads them)
+        if not is_sparsekv_implementation(module.config._attn_implementation):
+            raise ValueError(f"sparsekv: layer {module.layer_idx} holds its heads' tokens in lanes (head-wise "
+                             "budgets), which sparsekv's attention reads over sdpa or eager attention; continue this "
+                             "cache on a model loaded with attn_implementation=\"sdpa\" (or \"eager\").")
+        kwargs["lanes"] = lanes
     if keep:
-        kwargs["keep_weights"] = True  # (to `keeping_weights`' attention, through the module's keywords)
+        kwargs["keep_weights"] = True  # (to `sparsekv_implementation`'s, through the module's keywords)
     return args, kwargs
 
 

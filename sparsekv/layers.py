@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .buffers import SlotTensors, StepViews, allocated, append_in_place, first_true, slot_dim
 from .join import padded_to_widest
+from .lanes import Lanes, held_table, unpack_layer
 from .state import RowState, padded
 
 
@@ -59,6 +60,7 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
         # decoding too (`context.hold_budget`); None: each row's budget, on every head (`SparseCache.budgets`).
         self.budgets: torch.Tensor | None = None
         self.largest_budget: int | None = None
+        self.lanes: Lanes | None = None  # the kept prompt of heads of different lengths (`sparsekv.lanes`)
 
     @property
     def logical_len(self) -> int:
@@ -168,6 +170,7 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
         keeps those (under row budgets, every head of the row keeps as few, so that its heads agree). Heads keeping
         fewer than the most get invalid filler slots, ordered first, then the kept tokens by position.
         """
+        unpack_layer(self)
         scored = (scores > float("-inf")).sum(-1)  # (batch, heads)
         budgets = budgets.to(scores.device)
         heads_agree = budgets.dim() == 1
@@ -300,6 +303,8 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
     def joined(cls, layers: list[KVLayer]) -> KVLayer:
         """One layer holding the rows of `layers` (one type, as many tokens seen), in order, as a batch prefilled
         together holds them: each row padded with invalid filler slots to the most (`padded_to_widest`)."""
+        for layer in layers:
+            unpack_layer(layer)
         return super().joined(padded_to_widest(layers))
 
     def filler_slot(self) -> int:
@@ -366,8 +371,9 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
 
     # --- memory accounting ----------------------------------------------------------------------------------
     def attended_tensors(self) -> list[torch.Tensor]:
-        """The keys and values attention reads, with their free room."""
-        return [allocated(self.keys), allocated(self.values)]
+        """The keys and values attention reads, with their free room (and lanes)."""
+        lanes = [] if self.lanes is None else [self.lanes.keys, self.lanes.values]
+        return [allocated(self.keys), allocated(self.values), *lanes]
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """KV kept besides what attention reads (a store); none here."""
@@ -377,9 +383,14 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
         """The stored KV that is offloaded (a store given its own device); none here."""
         return []
 
+    def tokens_held(self) -> torch.Tensor:
+        """`(batch, kv_heads)` the tokens each row's heads hold (real ones: in lanes and slots)."""
+        return held_table(self)[1].sum(-1)
+
     def resident_slots(self) -> int:
-        """KV slots this layer holds on its device per sequence."""
-        return self.slots
+        """KV slots this layer holds on its device per sequence and KV head (its lanes' on average)."""
+        lanes = 0 if self.lanes is None else self.lanes.valid[0].numel() // self.keys.shape[1]
+        return self.slots + lanes
 
 
 def per_head(valid: torch.Tensor, heads: int) -> torch.Tensor:

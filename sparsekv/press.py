@@ -56,7 +56,7 @@ class Press:
             `call.queries()` shapes it instead of projecting again. Implied by an `on_queries` override.
         reads_step_attention: `ctx.attention()` after the prompt (in `after_step` or `score_step`) reads the
             weights the layer's attention computed, not computed again: inside the `with` block the model's
-            attention runs in an implementation that keeps them at those forwards (`attention.keeping_weights`,
+            attention runs in an implementation that keeps them at those forwards (`attention.sparsekv_implementation`,
             over sdpa or eager; with flash attention they are computed again).
         reads_prompt_in_pieces: a prompt given in several forwards (generate's `prefill_chunk_size`) is read
             as a prompt and continued prompts, with no help from the driver (CHESS, which keeps every token).

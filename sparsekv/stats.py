@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from .buffers import allocated
+from .lanes import held_table
 from .layers import KVLayer
 from .state import RowState
 
@@ -64,7 +66,7 @@ def cache_stats(cache) -> CacheStats:
                 by_device[str(t.device)] += t.nbytes
             continue
         resident.append(layer.resident_slots())
-        attended.append(float(layer.valid.sum(-1).float().mean()))
+        attended.append(float(held_table(layer)[1].sum(-1).float().mean()))
         away = layer.offloaded_tensors()
         offloaded += sum(t.nbytes for t in away)
         seen = set()  # the store may be what attention reads (CHESS before its first selection)
@@ -100,9 +102,10 @@ def prompt_kept(cache) -> dict[int, torch.Tensor]:
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, KVLayer) or not layer.is_initialized:
             continue
-        inside = (layer.positions < width) & layer.valid
-        mask = torch.zeros(*layer.positions.shape[:2], width + 1, dtype=torch.bool, device=layer.positions.device)
-        kept[i] = mask.scatter_(-1, layer.positions.where(inside, width), True)[..., :width]
+        positions, valid = held_table(layer)
+        inside = (positions < width) & valid
+        mask = torch.zeros(*positions.shape[:2], width + 1, dtype=torch.bool, device=positions.device)
+        kept[i] = mask.scatter_(-1, positions.where(inside, width), True)[..., :width]
     return kept
 
 
@@ -151,3 +154,9 @@ def event_counts(cache) -> dict[str, int]:
     for kind, n in (cache.state.event_counts() if isinstance(cache.state, RowState) else {}).items():
         counts[kind] = counts.get(kind, 0) + n
     return counts
+
+
+def clock() -> float | None:
+    """Now, to time press work (`SparseCache.seconds`); None inside a compiled forward, whose press work is not
+    timed: the clock is not traced (a graph break at every layer), and a compiled graph runs as one piece."""
+    return None if torch.compiler.is_compiling() else time.perf_counter()

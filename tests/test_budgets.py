@@ -22,7 +22,7 @@ def padded_pair(length: int = 64, pad: int = 9) -> tuple[torch.Tensor, torch.Ten
 
 def held(cache) -> list[torch.Tensor]:
     """Real tokens `(batch, kv_heads)` of each compressed layer."""
-    return [layer.valid.sum(-1) for layer in cache.layers if isinstance(layer, KVLayer)]
+    return [layer.tokens_held() for layer in cache.layers if isinstance(layer, KVLayer)]
 
 
 def test_adakv_gives_each_head_its_share_of_the_rows_best_scores_taken_together():

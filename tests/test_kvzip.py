@@ -8,6 +8,7 @@ import torch
 from conftest import byte_tokenizer, make_model, prompt
 
 from sparsekv import KVzipPress
+from sparsekv.lanes import held_table
 from sparsekv.layers import KVLayer
 from sparsekv.prefill import Prefill
 from sparsekv.presses.kvzip import FIRST
@@ -93,9 +94,10 @@ def test_generate_keeps_what_the_replayed_prefill_keeps(tok):
     replay = Prefill.run(model, ids)
     assert replay.generate(press, max_new_tokens=6).tolist() == out.tolist()
     replayed = replay.compress(press)
-    for a, b in zip(cache.layers, replayed.layers):
-        prompt_slots = a.positions < ids.shape[1]
-        assert sorted(a.positions[prompt_slots & a.valid].tolist()) == sorted(b.positions[b.valid].tolist())
+    for a, b in zip(cache.layers, replayed.layers):  # (each layer's lanes and slots: `held_table`)
+        (a_pos, a_valid), (b_pos, b_valid) = held_table(a), held_table(b)
+        prompt_slots = a_pos < ids.shape[1]
+        assert sorted(a_pos[prompt_slots & a_valid].tolist()) == sorted(b_pos[b_valid].tolist())
 
 
 def test_refusals(tok):

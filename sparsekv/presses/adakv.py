@@ -29,8 +29,8 @@ class AdaKVPress(ScorerPress):
     or any score on one scale (Expected Attention, Knorm, KeyDiff). Tokens the press always keeps (+inf: SnapKV's
     window) are kept on every head. A press that evicts while decoding (TOVA) holds each head at its own budget.
 
-    The core keeps each head's tokens in the layer's slot table (per row and KV head); a head keeping fewer than
-    the layer's widest has filler slots it never attends (docs/usage.md, "Head-wise budgets").
+    The core holds each head's own tokens once the prompt is in (lanes, `sparsekv.lanes`; docs/usage.md,
+    "Head-wise budgets"), or, under a press that evicts while decoding, a slot table as wide as the widest head.
 
     Args:
         press: the scoring press whose scores and row budgets are spread: a `ScorerPress` that keeps by `score`

@@ -49,7 +49,7 @@ class KVzipPress(FlooredScorerPress):
     user's text) is not reconstructed and scores 0, as in kvpress, when the prompt starts with it; a prompt made
     without the template is reconstructed whole. Rows of a padded batch are reconstructed one by one, each over
     its own tokens. The scores are kept by the core (`after_prompt`): a layer's heads keep different numbers of
-    tokens, which it holds as AdaKV's head-wise budgets are held (the widest head's slots).
+    tokens, which it holds as AdaKV's head-wise budgets are held (lanes, `sparsekv.lanes`).
 
     Args:
         tokenizer: the model's tokenizer (required: the reconstruction's instruction is text, in its chat template).
