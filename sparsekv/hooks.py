@@ -69,9 +69,9 @@ def install(press, model: torch.nn.Module):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{type(press).__name__}(...)(model): model must be a transformers model (a torch.nn.Module); "
                         f"got {type(model).__name__}.")
-    targets = check_model(model)
-    if model in _active:
+    if model in _active:  # (first: inside a block, the model's attention is sparsekv's, which `check_model` refuses)
         raise ValueError("model: a sparsekv press is already installed on this model; presses do not nest.")
+    targets = check_model(model)
     inst, handles = Installation(press, model), []
     restore = compile_in_block(press, model) if press.compile else None
     _active.add(model)

@@ -76,7 +76,7 @@ class StepReader(Recorder):
 @torch.no_grad()
 def test_a_press_that_reads_a_steps_attention_reads_the_weights_its_attention_computed(implementation, new):
     """Under a press that reads a step's attention, the model's attention keeps its weights at the forwards
-    after the prompt (sdpa and eager, wrapped for the `with` block and given back after it): `ctx.attention`
+    after the prompt (sdpa and eager, wrapped for every press's `with` block and given back after it): `ctx.attention`
     reads them, and they equal the attention computed again from the step's queries; the logits equal those of a
     press that computes it again, in a left-padded batch."""
     model = make_model("llama", implementation)
@@ -92,7 +92,7 @@ def test_a_press_that_reads_a_steps_attention_reads_the_weights_its_attention_co
             logits.append(model(more, cache=cache, attention_mask=torch.cat(
                 [mask, torch.ones_like(more)], dim=1)).logits)
         assert model.config._attn_implementation == implementation
-        assert inside == (f"sparsekv_{implementation}" if press is reader else implementation)
+        assert inside == f"sparsekv_{implementation}"
     for i in range(model.config.num_hidden_layers):
         kept, read, again = reader.seen[("step", i)]
         assert kept
