@@ -102,8 +102,8 @@ def test_a_press_that_reads_a_steps_attention_reads_the_weights_its_attention_co
 
 
 def test_the_models_attention_is_given_back_when_a_block_fails():
-    """The attention implementation a press that reads a step's attention wraps for its block is the model's
-    own again after the block ends with an error."""
+    """The attention implementation a press wraps for its block is the model's own again after the block ends
+    with an error."""
     model = make_model("llama", "sdpa")
     with pytest.raises(RuntimeError, match="inside"):
         with H2OPress(ratio=0.5)(model):
