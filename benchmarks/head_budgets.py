@@ -1,6 +1,6 @@
 """Head-wise and layer-wise budgets against the uniform press they build on: the KV a cache holds after the
 prompt, how much of it is real tokens (the rest: a lane's free slots, or filler slots of a padded table), and an
-eager decoding step's time.
+eager decoding step's time, the presses' steps interleaved.
 
     python -m benchmarks.head_budgets --length 4096 --ratios 0.1,0.25
     python -m benchmarks.head_budgets --shape llama-3.1-8b --tokenizer TOKENIZER_DIR --device cuda --length 32768
@@ -21,19 +21,25 @@ from .decode_vs_oracle import needle_prompt, step_seconds
 from .random_models import load_from_arguments, model_arguments, model_placement
 
 
-def measure(model, ids: torch.Tensor, press, steps: int) -> dict:
-    """The cache after the prompt (KV bytes held, real tokens over slots) and the median of `steps` decoding
-    steps' wall times after one warm-up step."""
+def prefill(model, ids: torch.Tensor, press) -> dict:
+    """The cache after the prompt under `press`: its KV bytes held and its real tokens over its slots."""
     with press(model), torch.no_grad():
         cache = press.make_cache(model)
         token = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        stats = cache.stats()  # (per layer: slots held per head, its lanes' too, and the real tokens among them)
-        real, slots, held = sum(stats.attended_tokens), sum(stats.resident_tokens), stats.kv_bytes
-        times = []
-        for _ in range(steps + 1):
-            seconds, token = step_seconds(model, cache, token)
-            times.append(seconds)
-    return {"kv_mb": held / 2**20, "fill": real / slots, "step_ms": 1e3 * statistics.median(times[1:])}
+    stats = cache.stats()  # (per layer: slots held per head, its lanes' too, and the real tokens among them)
+    return {"press": press, "cache": cache, "token": token, "kv_mb": stats.kv_bytes / 2**20,
+            "fill": sum(stats.attended_tokens) / sum(stats.resident_tokens), "times": []}
+
+
+def interleaved_steps(model, runs: list[dict], steps: int) -> None:
+    """`steps` decoding steps of each run's cache, in rounds of one step each (after a warm-up round), so that
+    a CPU's drift between configurations falls on all of them alike; each run's step times in `times`."""
+    for round_ in range(steps + 1):
+        for run in runs:
+            with run["press"](model), torch.no_grad():
+                seconds, run["token"] = step_seconds(model, run["cache"], run["token"])
+            if round_:
+                run["times"].append(seconds)
 
 
 def main(argv=None) -> None:
@@ -51,13 +57,17 @@ def main(argv=None) -> None:
     specs = split_specs(args.presses)
     rows = []
     for ratio in (float(r) for r in args.ratios.split(",")):
-        reference = None
-        for spec in specs:
-            result = measure(model, ids, make_press(spec, ratio=ratio, tokenizer=tokenizer), args.steps)
-            reference = reference or result
-            rows.append({"press": spec, "ratio": ratio, **result, "kv_ratio": result["kv_mb"] / reference["kv_mb"],
-                         "step_ratio": result["step_ms"] / reference["step_ms"]})
-    print(f"\n{name}, {ids.shape[1]}-token prompt, eager steps (median of {args.steps}); against {specs[0]}")
+        runs = [prefill(model, ids, make_press(spec, ratio=ratio, tokenizer=tokenizer)) for spec in specs]
+        interleaved_steps(model, runs, args.steps)
+        reference = runs[0]
+        for spec, run in zip(specs, runs):  # a step's ratio to the first press's in its round, the median
+            ratios = [t / r for t, r in zip(run["times"], reference["times"])]
+            rows.append({"press": spec, "ratio": ratio, "kv_mb": run["kv_mb"], "fill": run["fill"],
+                         "kv_ratio": run["kv_mb"] / reference["kv_mb"],
+                         "step_ms": 1e3 * statistics.median(run["times"]), "step_ratio": statistics.median(ratios)})
+        del runs
+    print(f"\n{name}, {ids.shape[1]}-token prompt, eager steps (median of {args.steps}, in rounds of one step a "
+          f"press; step / first: the median of a step's ratio to the first press's in its round); against {specs[0]}")
     print(format_table(rows, [("press", "press", ""), ("ratio", "ratio", "g"), ("KV held MiB", "kv_mb", ".1f"),
                               ("/ first", "kv_ratio", ".2f"), ("real / slots", "fill", ".2f"),
                               ("step ms", "step_ms", ".2f"), ("step / first", "step_ratio", ".2f")]))
