@@ -16,7 +16,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .lanes import Lanes, lane_attention
+from .lanes import Lanes
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -128,6 +128,51 @@ def as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+FLOOR = -80.0  # the lowest logit `lane_attention` exponentiates, below its head's largest
+
+
+def lane_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, lanes: Lanes, scaling: float | None = None,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """Softmax attention of `query` `(batch, heads, q, head_dim)` over a layer's `lanes` and its slot table
+    (`key`, `value` `(batch, kv_heads, slots, head_dim)`, `attention_mask` over them as sdpa's or eager's, or
+    None): `(output (batch, q, heads, head_dim), None)`, as transformers' attention functions return it.
+
+    Every query sees every lane token (they are the prompt's, before any query here). In float32; a masked token
+    weighs e^-80 of the largest (`FLOOR`), nothing a float32 sum keeps."""
+    b, h, q, d = query.shape
+    h_kv = key.shape[1]
+    gq = h // h_kv * q  # the queries that read a KV head: its group's, each of the q tokens
+    scaling = module.scaling if scaling is None else scaling
+    qg = as_float(query).reshape(b, h_kv, gq, d) * scaling
+    softcap = getattr(module, "attn_logit_softcapping", None)
+
+    def logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        x = torch.matmul(queries, as_float(keys).transpose(-1, -2))
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+    own = logits(qg, key)  # (b, h_kv, gq, slots)
+    if attention_mask is not None:  # (b, 1 or heads, q, slots + ...): to (b, 1 or h_kv, gq, slots)
+        mask = attention_mask[..., : key.shape[-2]]
+        mask = mask.reshape(b, h_kv, gq, -1) if mask.shape[1] == h else mask.repeat(1, 1, gq // q, 1)
+        own = own.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else own + mask
+    at = lanes.head[:, :, None].expand(-1, -1, gq)  # (b, lanes, gq): each lane's head
+    wide = at[..., None].expand(-1, -1, -1, d)
+    lane = logits(qg.gather(1, wide), lanes.keys).masked_fill_(~lanes.valid[:, :, None, :], float("-inf"))
+    top = own.amax(-1).scatter_reduce_(1, at, lane.amax(-1), "amax")  # (b, h_kv, gq): each head's largest
+    if q > 1:  # (a padding query sees nothing; a step's query sees its own token)
+        top.masked_fill_(top == float("-inf"), 0.0)
+    # Logits far below their head's largest are floored at e^-80 of it: their exp would be a subnormal float,
+    # on which a CPU's exp and products run some 10x slower (measured: exp and a product of 30k, 0.2 ms against
+    # 2 ms); 1e-35 of a weight is none.
+    own = own.sub_(top[..., None]).clamp_min_(FLOOR).exp_()
+    lane = lane.sub_(top.gather(1, at)[..., None]).clamp_min_(FLOOR).exp_()
+    total = own.sum(-1).scatter_add_(1, at, lane.sum(-1))
+    out = torch.matmul(own, as_float(value)).scatter_add_(1, wide, torch.matmul(lane, as_float(lanes.values)))
+    out = out.div_(total[..., None])
+    return out.view(b, h, q, d).transpose(1, 2).contiguous().to(value.dtype), None
+
+
 # The attention implementations sparsekv runs inside its own (`sparsekv_implementation`): flash attention takes
 # a mask of its own form and is for GPUs, where a press that reads a step's attention recomputes it.
 WRAPPED = ("sdpa", "eager")
@@ -154,7 +199,7 @@ def module_implementation(module) -> str:
 def sparsekv_implementation(name: str) -> str | None:
     """The attention implementation that runs the model's own (`name`) and, at a layer's call given them by
     sparsekv's hooks, computes softmax attention itself: over a layer's lanes too (the `lanes` keyword:
-    `sparsekv.lanes.lane_attention`), or to return its weights (the `keep_weights` keyword:
+    `lane_attention`), or to return its weights (the `keep_weights` keyword:
     `attention_with_weights`). Registered with transformers' `AttentionInterface` (and the mask function of
     `name`) under its own name, which it returns. None where `name` is not one of `WRAPPED`."""
     if name not in WRAPPED:

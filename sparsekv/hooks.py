@@ -19,7 +19,7 @@ import torch
 from transformers import StaticCache
 
 from .architectures import check_model, head_logits, output_head
-from .attention import is_sparsekv_implementation, query_projection, sparsekv_implementation
+from .attention import query_projection, sparsekv_implementation
 from .cache import KEEP_MASK, SparseCache
 from .generation import (
     compile_in_block, draft_length, eager_notice, fresh_default, pieces_after, prefill_before_draft,
@@ -89,7 +89,7 @@ def install(press, model: torch.nn.Module):
         head = output_head(model) if press.reads_logits else None
         if head is not None:  # inside the model's forward: a compiled step's graph holds the press's end_forward
             handles.append(head.register_forward_hook(partial(_after_head, inst)))
-        before = partial(_before_attention, weighing)
+        before = partial(_before_attention, weighing, wrapped is not None)
         for module in targets:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
@@ -181,7 +181,7 @@ def _after_model(inst: Installation, module, args, kwargs, output):
 
 
 @_without_grad
-def _before_attention(weighing: bool, module, args, kwargs):
+def _before_attention(weighing: bool, reads_lanes: bool, module, args, kwargs):
     cache = kwargs.get("cache")
     if not isinstance(cache, SparseCache):
         if isinstance(cache, ProbeCache):  # a press's own forward (`Press.after_prompt`)
@@ -197,7 +197,7 @@ def _before_attention(weighing: bool, module, args, kwargs):
     if mask is not KEEP_MASK:
         kwargs["attention_mask"] = mask
     if lanes is not None:  # (to `sparsekv_implementation`'s attention, which reads them)
-        if not is_sparsekv_implementation(module.config._attn_implementation):
+        if not reads_lanes:  # (`install`: the model's attention is not sparsekv's, which reads them)
             raise ValueError(f"sparsekv: layer {module.layer_idx} holds its heads' tokens in lanes (head-wise "
                              "budgets), which sparsekv's attention reads over sdpa or eager attention; continue this "
                              "cache on a model loaded with attn_implementation=\"sdpa\" (or \"eager\").")

@@ -7,11 +7,11 @@ into *lanes* (`pack`): rows of one fixed capacity, each lane belonging to one KV
 tokens fill. A layer then holds its budget, plus less than one lane per head (`LANES_PER_HEAD`), and the tokens that
 come after the prompt in its own slot table, as any layer (every head gets each of them).
 
-Attention reads both in one softmax per query head (`lane_attention`): each lane's logits against the queries of its
-head's group, the slot table's as usual, their maxima and sums combined per head (a scatter over the lanes), so that
-no step copies the cache or pads a head. It runs inside sparsekv's attention implementation (`sparsekv.attention`),
-which the hooks hand the layer's lanes to; the cost over a padded table: the same logits (fewer: no filler), a dozen
-more small ops per layer and step (a compiled step fuses them).
+Attention reads both in one softmax per query head (`attention.lane_attention`): each lane's logits against the
+queries of its head's group, the slot table's as usual, their maxima and sums combined per head (a scatter over
+the lanes), so that no step copies the cache or pads a head. It runs inside sparsekv's attention implementation
+(`attention.sparsekv_implementation`), which the hooks hand the layer's lanes to; the cost over a padded table:
+the same logits (fewer: no filler), a dozen more small ops per layer and step (a compiled step fuses them).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from .state import RowState
 # A head's tokens span this many lanes on average: a head's last lane is partly filled, so the lanes hold at most
 # 1/16 more than the tokens kept (and the batch's rows, the most lanes any row needs).
 LANES_PER_HEAD = 16
-FLOOR = -80.0  # the lowest logit `lane_attention` exponentiates, below its head's largest
 
 
 @dataclass
@@ -47,16 +46,15 @@ class Lanes(RowState):
     valid: torch.Tensor
     head: torch.Tensor
 
-    def tensors(self):
-        yield from (self.keys, self.values, self.positions, self.valid, self.head)
-
     def counts(self, heads: int) -> torch.Tensor:
         """`(batch, heads)` tokens each head holds."""
-        return self.valid.sum(-1).new_zeros(self.head.shape[0], heads).scatter_add_(1, self.head, self.valid.sum(-1))
+        per_lane = self.valid.sum(-1)
+        return per_lane.new_zeros(self.head.shape[0], heads).scatter_add_(1, self.head, per_lane)
 
-    def table(self, heads: int) -> dict[str, torch.Tensor]:
+    def table(self, heads: int, names: tuple[str, ...] = ("keys", "values", "positions", "valid")
+              ) -> dict[str, torch.Tensor]:
         """The lanes as a slot table per KV head, `(batch, heads, widest, ...)`, a head holding fewer than the
-        widest with filler slots first (as `KVLayer.keep` lays them out): "keys", "values", "positions", "valid"."""
+        widest with filler slots first (as `KVLayer.keep` lays them out): the tensors `names`."""
         b, n_lanes, cap = self.valid.shape
         counts = self.counts(heads)
         width = int(counts.max()) if counts.numel() else 0
@@ -65,17 +63,8 @@ class Lanes(RowState):
         slot_rank = self.valid.long().cumsum(-1) - 1 + (lane_rank * cap)[..., None]  # (lanes fill in order)
         start = (width - counts).gather(1, self.head)[..., None]  # fillers first
         target = self.head[..., None] * (width + 1) + torch.where(self.valid, start + slot_rank, width)
-        target = target.view(b, -1)
-
-        def scatter(t: torch.Tensor, fill) -> torch.Tensor:
-            rest = t.shape[3:]
-            out = t.new_full((b, heads * (width + 1), *rest), fill)
-            index = target.view(b, -1, *([1] * len(rest))).expand(b, -1, *rest)
-            out.scatter_(1, index, t.reshape(b, n_lanes * cap, *rest))
-            return out.view(b, heads, width + 1, *rest)[:, :, :width]
-
-        return {"keys": scatter(self.keys, 0), "values": scatter(self.values, 0),
-                "positions": scatter(self.positions, 0), "valid": scatter(self.valid, False)}
+        return {name: scattered(getattr(self, name), target, heads * (width + 1))
+                .unflatten(1, (heads, width + 1))[:, :, :width] for name in names}
 
 
 def pack(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> Lanes:
@@ -90,65 +79,22 @@ def pack(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, vali
     n_lanes = max(1, int(lanes_of.sum(-1).max()))
     rank = valid.long().cumsum(-1) - 1  # each real slot's index among its head's
     dump = n_lanes * cap  # where slots that hold no token go (dropped)
-    target = torch.where(valid, (first_lane[..., None] + rank // cap) * cap + rank % cap, dump).view(b, -1)
-
-    def scatter(t: torch.Tensor, fill) -> torch.Tensor:
-        rest = t.shape[3:]
-        out = t.new_full((b, dump + 1, *rest), fill)
-        index = target.view(b, -1, *([1] * len(rest))).expand(b, -1, *rest)
-        out.scatter_(1, index, t.reshape(b, h * s, *rest))
-        return out[:, :dump].reshape(b, n_lanes, cap, *rest)
+    target = torch.where(valid, (first_lane[..., None] + rank // cap) * cap + rank % cap, dump)
 
     lane = torch.arange(n_lanes, device=valid.device)
     head = ((first_lane[:, None, :] <= lane[None, :, None]).sum(-1) - 1).clamp(min=0)  # (b, lanes)
-    return Lanes(scatter(keys, 0), scatter(values, 0), scatter(positions, 0), scatter(valid, False), head)
+    return Lanes(*(scattered(t, target, dump + 1)[:, :dump].unflatten(1, (n_lanes, cap))
+                   for t in (keys, values, positions, valid)), head)
 
 
-def lane_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, lanes: Lanes, scaling: float | None = None,
-                   **kwargs) -> tuple[torch.Tensor, None]:
-    """Softmax attention of `query` `(batch, heads, q, head_dim)` over a layer's `lanes` and its slot table
-    (`key`, `value` `(batch, kv_heads, slots, head_dim)`, `attention_mask` over them as sdpa's or eager's, or
-    None): `(output (batch, q, heads, head_dim), None)`, as transformers' attention functions return it.
-
-    Every query sees every lane token (they are the prompt's, before any query here). In float32; a masked token
-    weighs e^-80 of the largest (`FLOOR`), nothing a float32 sum keeps."""
-    b, h, q, d = query.shape
-    h_kv = key.shape[1]
-    gq = h // h_kv * q  # the queries that read a KV head: its group's, each of the q tokens
-    scaling = module.scaling if scaling is None else scaling
-    qg = as_float(query).reshape(b, h_kv, gq, d) * scaling
-    softcap = getattr(module, "attn_logit_softcapping", None)
-
-    def logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        x = torch.matmul(queries, as_float(keys).transpose(-1, -2))
-        return x if softcap is None else torch.tanh(x / softcap) * softcap
-
-    own = logits(qg, key)  # (b, h_kv, gq, slots)
-    if attention_mask is not None:  # (b, 1 or heads, q, slots + ...): to (b, 1 or h_kv, gq, slots)
-        mask = attention_mask[..., : key.shape[-2]]
-        mask = mask.reshape(b, h_kv, gq, -1) if mask.shape[1] == h else mask.repeat(1, 1, gq // q, 1)
-        own = own.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else own + mask
-    at = lanes.head[:, :, None].expand(-1, -1, gq)  # (b, lanes, gq): each lane's head
-    wide = at[..., None].expand(-1, -1, -1, d)
-    lane = logits(qg.gather(1, wide), lanes.keys).masked_fill_(~lanes.valid[:, :, None, :], float("-inf"))
-    top = own.amax(-1).scatter_reduce_(1, at, lane.amax(-1), "amax")  # (b, h_kv, gq): each head's largest
-    if q > 1:  # (a padding query sees nothing; a step's query sees its own token)
-        top.masked_fill_(top == float("-inf"), 0.0)
-    # Logits far below their head's largest are floored at e^-80 of it: their exp would be a subnormal float,
-    # on which a CPU's exp and products run some 10x slower (measured: exp and a product of 30k, 0.2 ms against
-    # 2 ms); 1e-35 of a weight is none.
-    own = own.sub_(top[..., None]).clamp_min_(FLOOR).exp_()
-    lane = lane.sub_(top.gather(1, at)[..., None]).clamp_min_(FLOOR).exp_()
-    total = own.sum(-1).scatter_add_(1, at, lane.sum(-1))
-    out = torch.matmul(own, as_float(value)).scatter_add_(1, wide, torch.matmul(lane, as_float(lanes.values)))
-    out = out.div_(total[..., None])
-    return out.view(b, h, q, d).transpose(1, 2).contiguous().to(value.dtype), None
-
-
-def as_float(x: torch.Tensor) -> torch.Tensor:
-    """`x` in float32 (no dispatch when it is already: a decoding step's cost on a CPU is its op count)."""
-    return x if x.dtype == torch.float32 else x.float()
+def scattered(t: torch.Tensor, target: torch.Tensor, size: int) -> torch.Tensor:
+    """`t` `(batch, a, b, ...)`: each of its `a x b` slots written at its `target` `(batch, a, b)` index among
+    `size` slots `(batch, size, ...)`, the others zero (False for validity): how `pack` and `Lanes.table` move
+    slots between a table per head and lanes."""
+    b, rest = t.shape[0], t.shape[3:]
+    out = t.new_zeros((b, size, *rest))
+    index = target.reshape(b, -1, *([1] * len(rest))).expand(b, -1, *rest)
+    return out.scatter_(1, index, t.flatten(1, 2))
 
 
 def pack_layers(cache) -> None:
@@ -197,6 +143,6 @@ def held_table(layer) -> tuple[torch.Tensor, torch.Tensor]:
     accounting and inspection, not for steps: lanes are unpacked into a copy)."""
     if layer.lanes is None:
         return layer.positions, layer.valid
-    table = layer.lanes.table(layer.valid.shape[1])
+    table = layer.lanes.table(layer.valid.shape[1], ("positions", "valid"))
     return torch.cat([table["positions"], layer.positions], 2), torch.cat([table["valid"], layer.valid], 2)
 

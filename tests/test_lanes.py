@@ -10,7 +10,8 @@ import torch
 from conftest import DEVICE, byte_tokenizer, make_model, prompt
 
 from sparsekv import AdaKVPress, KVzipPress, SnapKVPress
-from sparsekv.lanes import LANES_PER_HEAD, lane_attention, pack
+from sparsekv.attention import lane_attention
+from sparsekv.lanes import LANES_PER_HEAD, pack
 from sparsekv.layers import KVLayer
 
 
