@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .buffers import slot_dim
+from .lanes import pack_layers
 from .state import RowState, padded
 
 
@@ -41,7 +42,10 @@ def join_caches(caches: list, consume: bool = False):
     if len({c.budgets is None for c in caches}) > 1:
         raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
     out = type(first)(press, first.config, first.compiled, first.max_new_tokens)
+    in_lanes = any(getattr(layer, "lanes", None) is not None for c in caches for layer in c.layers)
     out.layers = join_layers(caches, consume)
+    if in_lanes:  # the rows' heads held their own tokens (the model's attention is sparsekv's): the batch's too
+        pack_layers(out)
     for name in ("prompt_lengths", "prompt_start", "budgets"):
         values = [getattr(c, name) for c in caches]
         setattr(out, name, None if values[0] is None else torch.cat(values))
@@ -106,6 +110,7 @@ def padded_to_widest(layers: list) -> list:
     compressed = any(layer.compressed for layer in layers)
     all_valid = all(layer.all_valid and layer.slots == slots for layer in layers)
     heads_agree = all(layer.heads_agree for layer in layers)
+    held = [layer.largest_budget for layer in layers if layer.largest_budget is not None]  # (head-wise budgets)
     copies = []
     for layer in layers:
         at = layer.filler_slot()
@@ -117,7 +122,8 @@ def padded_to_widest(layers: list) -> list:
         vars(twin).update(
             _keys=grown(layer.keys, 0), _values=grown(layer.values, 0), _positions=grown(layer.positions, 0),
             _valid=grown(layer.valid, False), _extra={n: grown(t, 0) for n, t in layer.extra.items()},
-            compressed=compressed, all_valid=all_valid, heads_agree=heads_agree, _views=None)
+            compressed=compressed, all_valid=all_valid, heads_agree=heads_agree, _views=None,
+            largest_budget=max(held) if held else None)
         twin.fillers_added(slots - layer.slots)
         copies.append(twin)
     return copies

@@ -16,6 +16,8 @@ the same logits (fewer: no filler), a dozen more small ops per layer and step (a
 
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass
 
@@ -136,6 +138,16 @@ def unpack_layer(layer) -> None:
     layer.replace_tensors({name: torch.cat([table[name], getattr(layer, name)], dim=2) for name in table})
     layer.heads_agree = bool((layer.valid == layer.valid[:, :1]).all())
     layer.all_valid = bool(layer.valid.all())
+
+
+def unpacked(layer):
+    """`layer` with its lanes back in its slot table (`unpack_layer`): a copy where it holds lanes, so that
+    `layer` itself stays as it is (rows joined from caches left as they were); else `layer`."""
+    if layer.lanes is None:
+        return layer
+    twin = copy.copy(layer)
+    unpack_layer(twin)
+    return twin
 
 
 def held_table(layer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -163,7 +163,8 @@ def prefill_rows(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     reads the last prompt token as its first step, and decodes the rows together. The rows keep the tokens a
     batch prefilled together on all but the last token would keep (tested); any generation mode runs on the
     result (for beams, expand it first: `cache.batch_repeat_interleave(num_beams)`). SnapKV, ChunkKV,
-    StreamingLLM, H2O and SentenceKV join (SentenceKV's offload stores stay on the host); CHESS refuses.
+    StreamingLLM, H2O, SentenceKV (its offload stores stay on the host) and head-wise budgets (AdaKV: each row's
+    heads in lanes, the batch's in lanes again) join; CHESS refuses.
 
     Args:
         model: a model, with a press installed (`with press(model):`) whose press declares `joins_rows`, or none.

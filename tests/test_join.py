@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer, prompt
+from conftest import byte_tokenizer, make_model, make_tokenizer, prompt
 
 from sparsekv import (
-    CHESSPress, ChunkPress, H2OPress, RowState, SentencePress, SnapKVPress, SparseCache, StreamingLLMPress,
-    prefill_rows,
+    AdaKVPress, CHESSPress, ChunkPress, H2OPress, KVzipPress, RowState, SentencePress, SnapKVPress,
+    SparseCache, StreamingLLMPress, prefill_rows,
 )
 
 JOINING = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3, window_size=1),
@@ -18,7 +18,9 @@ JOINING = [SnapKVPress(ratio=0.3, window_size=8), H2OPress(ratio=0.3, window_siz
            ChunkPress(ratio=0.3, window_size=8, chunk_size=5),
            SentencePress(make_tokenizer(), ratio=0.3, n_sinks=4, window_size=8),  # (stores of 72 / 68 / 54 slots)
            # (stores with empty slots: keep_factor x tau is more than a row has besides its sinks and window)
-           SentencePress(make_tokenizer(), ratio=0.47, n_sinks=4, window_size=8, rank_at="layer")]
+           SentencePress(make_tokenizer(), ratio=0.47, n_sinks=4, window_size=8, rank_at="layer"),
+           # (head-wise budgets: each row's heads in lanes)
+           AdaKVPress(SnapKVPress(ratio=0.3, window_size=8)), KVzipPress(byte_tokenizer(), ratio=0.3, min_budget=8)]
 
 
 def batch(length: int = 120) -> tuple[torch.Tensor, torch.Tensor]:

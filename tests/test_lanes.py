@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import DEVICE, byte_tokenizer, make_model, prompt
 
-from sparsekv import AdaKVPress, KVzipPress, SnapKVPress
+from sparsekv import AdaKVPress, KVzipPress, SnapKVPress, SparseCache
 from sparsekv.attention import lane_attention
-from sparsekv.lanes import LANES_PER_HEAD, pack
+from sparsekv.lanes import LANES_PER_HEAD, pack, unpacked
 from sparsekv.layers import KVLayer
 
 
@@ -129,3 +129,33 @@ def test_lanes_hold_the_budget_not_the_widest_head():
         layers = [layer for layer in cache.layers if isinstance(layer, KVLayer)]
         held[name] = sum(t.numel() for layer in layers for t in layer.attended_tensors())
     assert held["adakv"] <= 1.1 * held["snapkv"]
+
+
+def test_rows_joined_keep_their_lanes_and_the_batch_holds_lanes_too():
+    """Rows prefilled apart under head-wise budgets and joined (`SparseCache.join`): each row's cache keeps its
+    lanes, and the batch holds the lanes a batch prefilled together holds, not its widest head's slots times the
+    heads. (That it decodes as that batch: tests/test_join.py.)"""
+    model = make_model("llama")
+    ids = prompt(160, batch=2, seed=5).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    press = PRESSES["adakv"]()
+    with press(model), torch.no_grad():
+        together = model(ids, attention_mask=mask, position_ids=positions).cache
+        parts = [model(ids[i:i + 1], attention_mask=mask[i:i + 1], position_ids=positions[i:i + 1]).cache
+                 for i in range(2)]
+        before = [[layer.tokens_held() for layer in part.compressed_layers()] for part in parts]
+        joined = SparseCache.join(parts)
+    for part, held in zip(parts, before):
+        layers = part.compressed_layers()
+        assert all(layer.lanes is not None for layer in layers)
+        assert all(torch.equal(layer.tokens_held(), h) for layer, h in zip(layers, held))
+
+    def kv(layers) -> int:
+        return sum(t.numel() for layer in layers for t in layer.attended_tensors())
+
+    layers = joined.compressed_layers()
+    assert all(layer.lanes is not None for layer in layers)
+    assert kv(layers) == kv(together.compressed_layers())
+    assert kv(layers) < kv(unpacked(layer) for layer in layers)  # the padded table
