@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmarks (docs/gpu.md), in order of priority, inside a fixed deadline: compiled decoding first
 # (generate's compiled steps against eager for the presses whose steps compile and for the oracle, on the 8B shape
-# at 32k tokens, batch 1, then its tests on CUDA, then batch 8: COMPILED_PRESSES, COMPILED_B8_PRESSES); the test
+# at 32k tokens, batch 1, then head-wise budgets' KV and eager step, then its tests on CUDA, then batch 8:
+# COMPILED_PRESSES, COMPILED_B8_PRESSES); the test
 # matrix on CUDA;
 # on a Llama-3.1-8B-shaped model (random weights, bf16, sdpa) at 32k tokens, decode steps against the oracle at
 # batch 1 with host synchronisations counted, each step's ops by source line, a profile of a step per press (torch
@@ -22,7 +23,7 @@ TOKENIZER=${1:?usage: gpu_benchmarks.sh TOKENIZER_DIR [SECONDS [STEP...]]}
 DEADLINE=$(( $(date +%s) + ${2:-540} ))
 shift $(( $# < 2 ? $# : 2 ))
 # the steps' names only
-STEPS=" ${*:-compiled32k_b1 compiled_tests compiled32k_b8 tests tests_more decode32k_b1 ops32k profile32k decode32k_b8 capacity32k capacity32k_apart chunked32k bench32k decode128k_b1} "
+STEPS=" ${*:-compiled32k_b1 heads32k compiled_tests compiled32k_b8 tests tests_more decode32k_b1 ops32k profile32k decode32k_b8 capacity32k capacity32k_apart chunked32k bench32k decode128k_b1} "
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -52,6 +53,9 @@ COMPILED=(--shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda --dtype bf
 TORCH_LOGS=perf_hints run compiled32k_b1 420 python3 -m benchmarks.compiled_decode "${COMPILED[@]}" --batch 1 \
   --presses "${COMPILED_PRESSES:-streamingllm,h2o,snapkv,chunkkv,chess,sentencekv:offload_device=cuda}" \
   --json "$OUT/compiled32k_b1.json"
+# Head-wise budgets in lanes against the uniform press: KV held and an eager step (docs/usage.md#head-wise-budgets).
+run heads32k 120 python3 -m benchmarks.head_budgets --shape llama-3.1-8b --tokenizer "$TOKENIZER" --device cuda \
+  --dtype bfloat16 --length 32768 --ratios 0.25 --presses snapkv,adakv,kvzip --steps 12
 run compiled_tests 100 python3 -m pytest -o addopts="" -p no:cacheprovider -q -rf --device cuda tests/test_compile.py
 # (H2O's prefill of a 32k row takes 11.5 s on an H100: four generations of 8 rows would take the step alone)
 TORCH_LOGS=perf_hints run compiled32k_b8 240 python3 -m benchmarks.compiled_decode "${COMPILED[@]}" --batch 8 \
