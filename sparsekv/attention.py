@@ -185,15 +185,17 @@ def model_implementation(name: str) -> str:
     return name.removeprefix(_PREFIX)
 
 
-def is_sparsekv_implementation(name: str) -> bool:
-    """Whether `name` is one of sparsekv's attention implementations (`sparsekv_implementation`)."""
-    return name.startswith(_PREFIX)
-
-
 def module_implementation(module) -> str:
     """The model's own attention implementation at `module`, a model or one of its modules (`model_implementation`
     of its config's)."""
     return model_implementation(module.config._attn_implementation)
+
+
+def reads_lanes(model) -> bool:
+    """Whether `model`'s attention reads lanes inside a press's `with` block: its own implementation is one of
+    `WRAPPED`, which the block runs inside sparsekv's (`sparsekv_implementation`). Whether the block is open yet or
+    not: a recorded prefill compresses outside it (`Prefill.compress`), and a cache continues only inside one."""
+    return module_implementation(model) in WRAPPED
 
 
 def sparsekv_implementation(name: str) -> str | None:

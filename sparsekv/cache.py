@@ -43,7 +43,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from .architectures import COMPRESSED_LAYER_TYPES, rotary
-from .attention import AttentionCall, is_sparsekv_implementation, module_implementation, query_groups
+from .attention import AttentionCall, module_implementation, query_groups, reads_lanes
 from .buffers import step_state
 from .context import Context, hold_budget
 from .copies import CacheCopies, _load_cache  # noqa: F401 (pickles made before name it here)
@@ -315,7 +315,7 @@ class SparseCache(CacheCopies, CacheRows, RowState, Cache):
             for i, (scores, budgets) in kept.items():
                 self.layers[i].keep(scores, budgets)
             self.timed("compress", start)
-        if prompt_in and model is not None and is_sparsekv_implementation(model.config._attn_implementation):
+        if prompt_in and model is not None and reads_lanes(model):
             pack_layers(self)  # heads of different lengths: each holds its own tokens (sparsekv's attention reads)
         if self.pieces is not None and not self.forward.pieces_left:
             self.pieces = None  # the prompt is read and compressed

@@ -21,7 +21,7 @@ def tok():
 
 def kept(cache) -> list[torch.Tensor]:
     """Per compressed layer, `(batch, kv_heads)` the real tokens it holds."""
-    return [layer.valid.sum(-1) for layer in cache.layers if isinstance(layer, KVLayer)]
+    return [layer.tokens_held() for layer in cache.layers if isinstance(layer, KVLayer)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -62,7 +62,8 @@ def test_one_budget_across_layers_and_heads(tok, layerwise):
         assert int(counts.sum()) == budget * heads * counts.shape[0]
         assert len(set(counts.flatten().tolist())) > 1  # budgets differ between layers and heads
     for layer in cache.layers:
-        real = layer.positions.masked_fill(~layer.valid, -1)
+        positions, valid = held_table(layer)  # (its lanes and slots)
+        real = positions.masked_fill(~valid, -1)
         assert all(set(range(4)) <= set(real[0, h].tolist()) for h in range(real.shape[1]))  # the sinks
 
 
@@ -76,11 +77,12 @@ def test_rows_of_a_padded_batch_are_reconstructed_alone(tok):
     together = Prefill.run(model, ids.masked_fill(mask == 0, 0), mask).compress(press)
     for row, start in ((0, 0), (1, 9)):
         alone = Prefill.run(model, ids[row:row + 1, start:]).compress(press)
-        for both, one in zip(together.layers, alone.layers):
-            held = both.positions[row].masked_fill(~both.valid[row], -1) - start
+        for both, one in zip(together.layers, alone.layers):  # (each layer's lanes and slots: `held_table`)
+            (positions, valid), (one_positions, one_valid) = held_table(both), held_table(one)
+            held = positions[row].masked_fill(~valid[row], -1) - start
             for h in range(held.shape[0]):
-                mine = set(one.positions[0, h][one.valid[0, h]].tolist())
-                assert set(held[h][held[h] >= 0].tolist()) == mine
+                mine = set(one_positions[0, h][one_valid[0, h]].tolist())
+                assert mine and set(held[h][held[h] >= 0].tolist()) == mine
 
 
 def test_generate_keeps_what_the_replayed_prefill_keeps(tok):

@@ -13,6 +13,7 @@ from sparsekv import AdaKVPress, KVzipPress, SnapKVPress, SparseCache
 from sparsekv.attention import lane_attention
 from sparsekv.lanes import LANES_PER_HEAD, pack, unpacked
 from sparsekv.layers import KVLayer
+from sparsekv.prefill import Prefill
 
 
 def head_table(counts: list[list[int]], width: int, d: int = 8, seed: int = 0):
@@ -159,3 +160,20 @@ def test_rows_joined_keep_their_lanes_and_the_batch_holds_lanes_too():
     assert all(layer.lanes is not None for layer in layers)
     assert kv(layers) == kv(together.compressed_layers())
     assert kv(layers) < kv(unpacked(layer) for layer in layers)  # the padded table
+
+
+def test_a_recorded_prefill_compresses_into_lanes():
+    """`Prefill.compress` (the evaluation's, outside the press's block) holds head-wise layers in lanes, as the
+    press's own prefill does, and the two caches decode alike."""
+    model = make_model("llama")
+    ids = prompt(96, seed=7).to(DEVICE)
+    press = PRESSES["adakv"]()
+    recorded = Prefill.run(model, ids).compress(press)
+    with press(model), torch.no_grad():
+        own = model(ids, cache=press.make_cache(model)).cache
+        step = ids[:, -1:]
+        logits = [model(step, cache=cache).logits for cache in (recorded, own)]
+    for a, b in zip(recorded.compressed_layers(), own.compressed_layers()):
+        assert a.lanes is not None and b.lanes is not None
+        assert torch.equal(a.tokens_held(), b.tokens_held())
+    torch.testing.assert_close(*logits)
