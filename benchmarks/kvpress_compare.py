@@ -242,7 +242,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     each library's full cache a horizontal line."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.6))
+    fig = Figure(figsize=(9, 4.6))
     ax = fig.subplots()
     methods = sorted({r["method"] for r in rows} - {"full"})
     colour = {m: f"C{i}" for i, m in enumerate(methods)}
@@ -265,7 +265,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylim(-2, 102)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines, never over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
