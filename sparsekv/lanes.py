@@ -17,7 +17,6 @@ the same logits (fewer: no filler), a dozen more small ops per layer and step (a
 from __future__ import annotations
 
 import copy
-
 import math
 from dataclasses import dataclass
 
