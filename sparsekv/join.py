@@ -8,7 +8,6 @@ import torch
 from transformers.cache_utils import Cache
 
 from .buffers import slot_dim
-from .lanes import pack_layers
 from .state import RowState, padded
 
 
@@ -42,10 +41,7 @@ def join_caches(caches: list, consume: bool = False):
     if len({c.budgets is None for c in caches}) > 1:
         raise ValueError("caches: some were compressed and others not; join caches prefilled alike.")
     out = type(first)(press, first.config, first.compiled, first.max_new_tokens)
-    in_lanes = any(getattr(layer, "lanes", None) is not None for c in caches for layer in c.layers)
     out.layers = join_layers(caches, consume)
-    if in_lanes:  # the rows' heads held their own tokens (the model's attention is sparsekv's): the batch's too
-        pack_layers(out)
     for name in ("prompt_lengths", "prompt_start", "budgets"):
         values = [getattr(c, name) for c in caches]
         setattr(out, name, None if values[0] is None else torch.cat(values))

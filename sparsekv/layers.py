@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .buffers import SlotTensors, StepViews, allocated, append_in_place, first_true, slot_dim
 from .join import padded_to_widest
-from .lanes import Lanes, held_table, unpack_layer, unpacked
+from .lanes import Lanes, held_table, pack_layer, unpack_layer, unpacked
 from .state import RowState, padded
 
 
@@ -301,10 +301,12 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
 
     @classmethod
     def joined(cls, layers: list[KVLayer]) -> KVLayer:
-        """One layer holding the rows of `layers` (one type, as many tokens seen), in order, as a batch prefilled
-        together holds them: each row padded with invalid filler slots to the most (`padded_to_widest`), its lanes
-        back in its slot table (`SparseCache.join` packs the batch's again)."""
-        return super().joined(padded_to_widest([unpacked(layer) for layer in layers]))
+        """The rows of `layers` as one batch prefilled together holds them (`padded_to_widest`; lanes as the rows').
+        Each row is unpacked from a copy: the rows' layers stay as they are."""
+        out = super().joined(padded_to_widest([unpacked(layer) for layer in layers]))
+        if any(layer.lanes is not None for layer in layers):
+            pack_layer(out)
+        return out
 
     def filler_slot(self) -> int:
         """Where a joined row's filler slots go (`joined`): first, where `keep` puts those of a smaller budget."""
