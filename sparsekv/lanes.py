@@ -102,8 +102,8 @@ def pack_layers(cache) -> None:
     """Once a prompt is in, move each compressed layer of `cache` whose heads hold different numbers of tokens
     into lanes (`pack_layer`), where its press does nothing over the layer's slots while decoding (its step
     scores, attention, queries or selections would miss the lanes: such a layer keeps its padded table). The
-    model's attention must read them: the cache asks this only where it runs in sparsekv's implementation
-    (`attention.sparsekv_implementation`)."""
+    model's attention must read them: the cache asks this only where a press's block runs it in sparsekv's
+    implementation (`attention.reads_lanes`)."""
     press = cache.press
     if press.scores_steps or press.reads_step_attention or press.captures_step_queries \
             or press.selects_before_attention:
@@ -115,7 +115,8 @@ def pack_layers(cache) -> None:
 def pack_layer(layer) -> None:
     """Move a `KVLayer`'s slots into lanes (`pack`), its own slot table left empty for the tokens after the
     prompt: a layer whose heads hold different numbers of tokens (head-wise budgets), with no per-slot data of a
-    press (`extra`), which nothing will score again (the core asks: `SparseCache.end_forward`)."""
+    press (`extra`), which nothing will score again (the core asks: `SparseCache.end_forward`, and
+    `KVLayer.joined` for rows that were in lanes)."""
     if layer.lanes is not None or layer.heads_agree or layer.extra or not layer.slots:
         return
     layer.replace_tensors({})  # (its own tensors, not step views)
