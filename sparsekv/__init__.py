@@ -31,7 +31,7 @@ _WHERE = {
     "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
     "SnapKVPress": ".presses", "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses",
     "TOVAPress": ".presses", "AdaKVPress": ".presses", "ExpectedAttentionPress": ".presses",
-    "PyramidKVPress": ".presses", "KVzipPress": ".presses", "make_press": ".presses", "registered": ".presses",
+    "PyramidKVPress": ".presses", "KVzipPress": ".presses", "DecodingPress": ".presses", "make_press": ".presses", "registered": ".presses",
     "compile_config": ".generation",
 }
 __all__ = sorted(_WHERE)
@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
         CHESSPress,
         ChunkKVPress,
         ChunkPress,
+        DecodingPress,
         ExpectedAttentionPress,
         H2OPress,
         KeyDiffPress,

@@ -270,7 +270,7 @@ class SparseCache(CacheCopies, CacheRows, RowState, Cache):
             press.after_step(ctx)
             holds = press.holds_budget_while_decoding()
             if holds and press.scores_steps:  # a row over its budget evicts its lowest-scored tokens
-                hold_budget(ctx, lambda: press.score_step(ctx), press.scores_by_position)
+                hold_budget(ctx, lambda: press.score_step(ctx), press.scores_by_position, press.eviction_interval())
             if self.compiled and not holds:
                 # The step's token to a free slot: the layer keeps its shape. The slot its layout's first layer
                 # found, where it has one (`layouts`).

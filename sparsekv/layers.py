@@ -204,20 +204,21 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
         self.heads_agree = heads_agree
         self.compressed = True
 
-    def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int, keep_new: bool = False
-                    ) -> None:
+    def hold_budget(self, scores: torch.Tensor, budgets: torch.Tensor, largest: int, keep_new: bool = False,
+                    gather: bool = False) -> None:
         """Evict the lowest-`scores` `(batch, heads, slots)` real tokens until each row (and head) holds no more
         than its budget (`budgets` `(batch,)` or `(batch, heads)`, `largest` their maximum).
 
         One token over is one eviction per row and head (`evict`); more a gather (`keep`). The gather never evicts
         the last forward's own tokens when they fit the budget, nor does the eviction with `keep_new` (the forward
         is a draft being verified, or several tokens): a rejected draft can then be cropped from every head. A
-        decoding step's token is scored as any other (and nothing is read on the host for it).
+        decoding step's token is scored as any other (and nothing is read on the host for it). `gather`: one
+        token over is a gather too, which keeps the slots in position order.
         """
         if self.slots <= largest:
             return
         budgets = budgets.to(self.device)
-        if self.slots == largest + 1:
+        if self.slots == largest + 1 and not gather:
             self.evict(self.victims(self._own_tokens_kept(scores, budgets) if keep_new else scores, budgets))
             return
         self.keep(self._own_tokens_kept(scores, budgets).masked_fill(~self.valid, float("-inf")), budgets)

@@ -237,6 +237,13 @@ class Press:
         keep everything; another keeps every generated token, and the cache grows."""
         return self.scores_steps and self.ratio != 1.0
 
+    def eviction_interval(self) -> int:
+        """Decoding steps between a row's evictions, once it holds its budget while decoding: 1 (the default), a
+        row over its budget evicts at every step, one token (the newest moves into the victim's slot); k > 1
+        (`DecodingPress`), a row grows to `k - 1` tokens past its budget and at the k-th evicts down to it at once,
+        its slots kept in position order, the newest last."""
+        return 1
+
     def min_kept(self) -> tuple[int, str]:
         """The press's floor: the fewest tokens a row keeps (its budget is never lower, and a prompt no longer is
         kept whole), and what they are, as the press's options say it (e.g. "window_size=32"). Default: 1 token."""
@@ -305,8 +312,10 @@ class Press:
             row = int(lengths.masked_fill(~whole, -1).argmax())
             kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
             held = int(budgets[row]) + beside
-            after = (f" While decoding it grows to {held} tokens, then evicts one a step." if
-                     self.holds_budget_while_decoding() else " Prompts this short are never compressed.")
+            every = self.eviction_interval()
+            after = " Prompts this short are never compressed." if not self.holds_budget_while_decoding() else \
+                f" While decoding it grows to {held} tokens, then evicts one a step." if every == 1 else \
+                f" While decoding it grows to {held + every - 1} tokens, then is cut back to {held} every {every} steps."
             say_once((type(self), "whole"), (
                 f"sparsekv: {type(self).__name__}: a prompt of {int(lengths[row])} tokens"
                 f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "

@@ -49,14 +49,14 @@ class SentencePressRankedPerLayer(SentencePress):
 PRESSES = registered_presses() + [SentencePressRankedPerLayer]
 # Options sized for 64-token prompts, applied where a press has the field; CHESS re-selects at every step.
 TINY = {"window_size": 8, "min_budget": 8, "chunk_size": 4, "page_size": 8, "n_sinks": 4, "reselect": "always",
-        "n_sink": 8}
+        "n_sink": 8, "interval": 3}
 ARCHS = ("llama", "qwen3", "phi3", "gemma3")
 
 
 def tiny_press(cls, **budget) -> Press:
     names = {f.name for f in dataclasses.fields(cls) if f.init}
-    if "press" in names:  # a wrapper (AdaKV): over SnapKV, whose options take the budget
-        return cls(tiny_press(SnapKVPress, **budget))
+    if "press" in names:  # a wrapper (AdaKV, Decoding): over SnapKV, whose options take the budget
+        return cls(tiny_press(SnapKVPress, **budget), **{k: v for k, v in TINY.items() if k in names})
     # (KVzip feeds the model its own text: a tokenizer of exactly the tiny models' vocabulary)
     args = ((byte_tokenizer() if cls is KVzipPress else make_tokenizer()),) if "tokenizer" in names else ()
     if "budget" in budget and "budget" not in names:  # CHESS's budget is what a step reads
@@ -186,13 +186,15 @@ def test_different_presses_on_different_models_in_parallel():
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)
 def test_drafted_decoding(arch, mode, press_cls):
-    """Presses that compress the prompt only decode exactly as greedy; the others never hold more than greedy."""
+    """Presses that compress the prompt only decode exactly as greedy; the others never hold more than greedy
+    (a press that cuts every `k` steps: than greedy may hold between two cuts, `k - 1` tokens more)."""
     model = make_model(arch).double()
     base = prompt(40, seed=5)
     ids = torch.cat([base, base[:, :30]], dim=1)  # repeats: prompt lookup finds drafts
     draft = ({"prompt_lookup_num_tokens": 3} if mode == "prompt_lookup"
              else {"assistant_model": make_model(arch, seed=1).double()})
-    with tiny_press(press_cls)(model):
+    press = tiny_press(press_cls)
+    with press(model):
         plain = greedy(model, ids, new=16, return_dict_in_generate=True)
         drafted = greedy(model, ids, new=16, return_dict_in_generate=True, **draft)
     assert drafted.sequences.shape == plain.sequences.shape
@@ -200,7 +202,8 @@ def test_drafted_decoding(arch, mode, press_cls):
     if not acts_while_decoding(press_cls):
         assert torch.equal(drafted.sequences, plain.sequences)
     held, greedy_held = drafted.cache.stats().resident_tokens, plain.cache.stats().resident_tokens
-    assert all(h <= g for h, g in zip(held, greedy_held))
+    slack = press.eviction_interval() - 1
+    assert all(h <= g + slack for h, g in zip(held, greedy_held))
 
 
 @pytest.mark.parametrize("press_cls", PRESSES, ids=lambda c: c.__name__)

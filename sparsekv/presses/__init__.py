@@ -3,6 +3,7 @@
 from .adakv import AdaKVPress
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
+from .decoding import DecodingPress
 from .expected_attention import ExpectedAttentionPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
@@ -19,8 +20,7 @@ ChunkKVPress = ChunkPress  # the papers' names
 SentenceKVPress = SentencePress
 
 __all__ = [
-    "AdaKVPress", "CHESSPress", "ChunkKVPress", "ChunkPress", "ExpectedAttentionPress", "H2OPress", "KeyDiffPress",
-    "KVzipPress", "KnormPress", "PyramidKVPress", "SentenceKVPress", "SentencePress", "SnapKVPress",
-    "StreamingLLMPress",
-    "TOVAPress", "make_press", "press_class", "registered",
+    "AdaKVPress", "CHESSPress", "ChunkKVPress", "ChunkPress", "DecodingPress", "ExpectedAttentionPress", "H2OPress",
+    "KVzipPress", "KeyDiffPress", "KnormPress", "PyramidKVPress", "SentenceKVPress", "SentencePress", "SnapKVPress",
+    "StreamingLLMPress", "TOVAPress", "make_press", "press_class", "registered",
 ]

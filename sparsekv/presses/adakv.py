@@ -52,21 +52,14 @@ class AdaKVPress(ScorerPress):
     scores_by_position: ClassVar[bool] = False
 
     def __post_init__(self):
-        press = self.press
-        if isinstance(press, str):  # a registered press's name (a spec's `adakv:press=knorm,ratio=0.1`)
-            from .registry import make_press  # (the registry lists this press)
+        from .registry import wrapped_press  # (the registry lists this press)
 
-            try:
-                press = make_press(press, ratio=self.ratio, budget=self.budget)
-            except ValueError as err:
-                raise ValueError(f"AdaKVPress: press={self.press!r}: {err}") from None
+        press = wrapped_press("AdaKVPress", self.press, self.ratio, self.budget)
         kept_by_score = isinstance(press, ScorerPress) and type(press).compress is ScorerPress.compress
         if not kept_by_score or isinstance(press, AdaKVPress) or press.selects_before_attention or press.reads_logits:
             raise ValueError("AdaKVPress: press must be a scoring press that keeps by its `score` (SnapKVPress, "
                              "PyramidKVPress, ExpectedAttentionPress, KnormPress, KeyDiffPress, TOVAPress, "
                              f"StreamingLLMPress); got {type(press).__name__}, which keeps by its own rule.")
-        if not isinstance(self.press, str) and (self.ratio is not None or self.budget is not None):
-            press = replace(press, ratio=self.ratio, budget=self.budget)  # given here: the wrapped press's
         if self.compile and not press.compile:
             press = replace(press, compile=True)
         self.press = press

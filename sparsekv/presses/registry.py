@@ -24,6 +24,7 @@ from ..press import Press
 from .adakv import AdaKVPress
 from .chess import CHESSPress
 from .chunkkv import ChunkPress
+from .decoding import DecodingPress
 from .expected_attention import ExpectedAttentionPress
 from .h2o import H2OPress
 from .keydiff import KeyDiffPress
@@ -50,6 +51,7 @@ BUILT_IN: dict[str, type[Press]] = {
     "expectedattention": ExpectedAttentionPress,
     "adakv": AdaKVPress,
     "kvzip": KVzipPress,
+    "decoding": DecodingPress,
 }
 
 
@@ -151,6 +153,20 @@ def make_press(spec: str, tokenizer: Any = None, **options) -> Press:
     if needs_tokenizer(cls) and tokenizer is None:
         raise ValueError(f"{cls.__name__} needs the model's tokenizer: make_press({spec!r}, tokenizer=tokenizer).")
     return _build(cls, spec, parsed, options, tokenizer)
+
+
+def wrapped_press(owner: str, press: Press | str, ratio: float | None, budget: int | None) -> Press | Any:
+    """A wrapper's press (AdaKV's, DecodingPress's): `press` given the wrapper's `ratio` / `budget` when either is
+    set (as `dataclasses.replace` would), or a registered press's name made with them (a spec's
+    `adakv:press=knorm,ratio=0.1`). Anything else as it is, for the wrapper to refuse by name."""
+    if isinstance(press, str):
+        try:
+            return make_press(press, ratio=ratio, budget=budget)
+        except ValueError as err:
+            raise ValueError(f"{owner}: press={press!r}: {err}") from None
+    if isinstance(press, Press) and (ratio is not None or budget is not None):
+        return dataclasses.replace(press, ratio=ratio, budget=budget)
+    return press
 
 
 def resolved_options(spec: str, **options) -> str:
