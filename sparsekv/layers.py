@@ -212,8 +212,7 @@ class KVLayer(SlotTensors, RowState, CacheLayerMixin):
         One token over is one eviction per row and head (`evict`); more a gather (`keep`). The gather never evicts
         the last forward's own tokens when they fit the budget, nor does the eviction with `keep_new` (the forward
         is a draft being verified, or several tokens): a rejected draft can then be cropped from every head. A
-        decoding step's token is scored as any other (and nothing is read on the host for it). `gather`: one
-        token over is a gather too, which keeps the slots in position order.
+        decoding step's token is scored as any other (nothing read on the host). `gather`: always a gather.
         """
         if self.slots <= largest:
             return
