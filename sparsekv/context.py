@@ -160,8 +160,8 @@ def _index(i: int, total: int) -> int:
     return i + total if i < 0 else i
 
 
-def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bool = False, every: int = 1
-                ) -> None:
+def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bool = False,
+                every: int | None = None) -> None:
     """The core's eviction after a later forward: the lowest-scored real tokens of `ctx.layer` (`score()`,
     `(batch, kv_heads, slots)`, called only on a layer over its budget) are evicted until each row is back within
     its budget (`KVLayer.hold_budget`; each head within its own where the layer keeps head-wise budgets,
@@ -173,18 +173,19 @@ def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bo
     (`Press.scores_by_position`), so a decoding step's victims are found at its first layer and serve every layer
     (the forward keeps them): a step scores and searches once, not once a layer.
 
-    `every`: the press's `eviction_interval`; past 1, a layer is left to grow to `every - 1` slots past its budget,
+    `every`: the press's `eviction_interval`; given, a layer is left to grow to `every - 1` slots past its budget,
     and at the next it is cut back to the budget in one gather, its slots in position order (`KVLayer.keep`).
     """
     cache, layer, forward = ctx.cache, ctx.layer, ctx.cache.forward
     own = layer.budgets is not None  # head-wise budgets, the layer's own; else each row's, every layer alike
     budgets, largest = (layer.budgets, layer.largest_budget) if own else (ctx.budgets, cache.largest_budget)
-    if layer.slots < largest + every:  # every row within its budget (and the slack `every` leaves)
+    if layer.slots < largest + (every or 1):  # every row within its budget (and the slack `every` leaves)
         return
-    if every == 1 and by_position and not own and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
+    if every is None and by_position and not own and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
         if forward.victims is None:
             forward.victims = layer.victims(score(), budgets)
         victims = forward.victims
         layer.evict(victims if victims.device == layer.device else victims.to(layer.device))  # (a split model)
     else:
-        layer.hold_budget(score(), budgets, largest, keep_new=forward.q_len > 1 or forward.draft, gather=every > 1)
+        layer.hold_budget(score(), budgets, largest, keep_new=forward.q_len > 1 or forward.draft,
+                          gather=every is not None)

@@ -237,12 +237,12 @@ class Press:
         keep everything; another keeps every generated token, and the cache grows."""
         return self.scores_steps and self.ratio != 1.0
 
-    def eviction_interval(self) -> int:
-        """Decoding steps between a row's evictions, once it holds its budget while decoding: 1 (the default), a
-        row over its budget evicts at every step, one token (the newest moves into the victim's slot); k > 1
-        (`DecodingPress`), a row grows to `k - 1` tokens past its budget and at the k-th evicts down to it at once,
-        its slots kept in position order, the newest last."""
-        return 1
+    def eviction_interval(self) -> int | None:
+        """How a row that holds its budget while decoding evicts: None (the default), one token at every step
+        once over its budget, the newest moving into the victim's slot; `k` (`DecodingPress`), a row grows to
+        `k - 1` tokens past its budget and at the k-th is cut back to it in one gather that keeps its slots in
+        position order, the newest last (so `k = 1` cuts at every step in that order)."""
+        return None
 
     def min_kept(self) -> tuple[int, str]:
         """The press's floor: the fewest tokens a row keeps (its budget is never lower, and a prompt no longer is
@@ -312,7 +312,7 @@ class Press:
             row = int(lengths.masked_fill(~whole, -1).argmax())
             kept = f"budget={self.budget}" if self.budget is not None and self.budget >= minimum else what
             held = int(budgets[row]) + beside
-            every = self.eviction_interval()
+            every = self.eviction_interval() or 1
             after = " Prompts this short are never compressed." if not self.holds_budget_while_decoding() else \
                 f" While decoding it grows to {held} tokens, then evicts one a step." if every == 1 else \
                 f" While decoding it grows to {held + every - 1} tokens, then is cut back to {held} every {every} steps."

@@ -81,12 +81,14 @@ def test_the_prompt_left_whole_is_cut_at_the_first_step():
     assert rows[0, 0] == 64 and rows[1, 0] == 24
 
 
-def test_a_cut_keeps_the_window_of_the_newest_tokens():
-    """SnapKV's window at a cut is the newest tokens (their queries score the rest), and it is always kept."""
+@pytest.mark.parametrize("interval", [1, 6])
+def test_a_cut_keeps_the_window_of_the_newest_tokens(interval):
+    """SnapKV's window at a cut is the newest tokens (their queries score the rest), and it is always kept, also
+    when a cut comes at every step (the slots stay in position order: SnapKV's window is its newest slots)."""
     model = make_model("llama").double()
     ids = prompt(64, seed=5)
-    _, _, out, cache = held_per_step(model, DecodingPress(SnapKVPress(budget=24, window_size=8), interval=6),
-                                     ids, new=19)  # 18 decoding steps: cut at steps 6, 12 and 18
+    _, _, out, cache = held_per_step(model, DecodingPress(SnapKVPress(budget=24, window_size=8), interval=interval),
+                                     ids, new=19)  # 18 decoding steps: a cut at the last
     layer = cache.layers[0]
     newest = torch.arange(out.shape[1] - 9, out.shape[1] - 1)  # the 8 newest in the cache (the last token is not)
     assert layer.slots == 24
@@ -128,3 +130,19 @@ def test_a_spec_names_the_wrapped_press_and_gives_it_the_budget():
     press = make_press("decoding:press=knorm,interval=8", budget=64)
     assert isinstance(press.press, KnormPress) and press.press.budget == 64 and press.interval == 8
     assert DecodingPress(SnapKVPress(ratio=0.5), budget=48).press.budget == 48
+
+
+def test_the_perplexity_benchmark_scores_each_token_given_the_cache_before_it():
+    """`benchmarks.decoding_perplexity`: token by token over the full cache, each token's loss is the one a
+    single forward over the whole text gives it; under DecodingPress with room for every token, the same."""
+    from benchmarks.decoding_perplexity import token_losses
+
+    model = make_model("llama").double()
+    ids = prompt(40, seed=7)
+    losses, held = token_losses(model, ids, 8)
+    whole = torch.nn.functional.cross_entropy(model(ids).logits[0, 7:-1], ids[0, 8:], reduction="none")
+    assert torch.allclose(torch.tensor(losses, dtype=whole.dtype), whole.detach()) and held == 39
+    pressed, _ = token_losses(model, ids, 8, DecodingPress(SnapKVPress(budget=100, window_size=4), interval=3))
+    assert torch.allclose(torch.tensor(pressed), torch.tensor(losses))
+    small, held = token_losses(model, ids, 8, DecodingPress(SnapKVPress(budget=12, window_size=4), interval=3))
+    assert held <= 14 and small != losses

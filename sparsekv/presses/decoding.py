@@ -94,6 +94,9 @@ class DecodingPress(ScorerPress):
         super().__post_init__()
 
     # --- the prompt: the wrapped press's ------------------------------------------------------------------------
+    def new_layer(self, layer_idx: int):
+        return self.press.new_layer(layer_idx)
+
     def new_state(self, cache) -> RecentQueries:
         return RecentQueries({}, {}, {}, self.press.new_state(cache))
 
@@ -118,6 +121,9 @@ class DecodingPress(ScorerPress):
 
     def min_kept(self) -> tuple[int, str]:
         return self.press.min_kept()
+
+    def attended_beside(self) -> int:
+        return self.press.attended_beside()
 
     def prompt_budgets(self, lengths: torch.Tensor) -> torch.Tensor | None:
         return self.press.prompt_budgets(lengths)
