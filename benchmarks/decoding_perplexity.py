@@ -61,8 +61,7 @@ def token_losses(model, ids: torch.Tensor, prompt: int, press=None, label: str =
             if i + 1 == ids.shape[1]:
                 break
             logits = model(ids[:, i:i + 1], **{name: cache}, use_cache=True).logits[:, -1]
-            if i % 64 == 0:
-                held = max(held, cache_tokens(cache))
+            held = max(held, cache_tokens(cache))  # (every step: a press that cuts every k steps peaks before)
         held = max(held, cache_tokens(cache))
 
     from transformers import DynamicCache
