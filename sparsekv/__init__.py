@@ -31,7 +31,8 @@ _WHERE = {
     "ChunkPress": ".presses", "H2OPress": ".presses", "SentenceKVPress": ".presses", "SentencePress": ".presses",
     "SnapKVPress": ".presses", "StreamingLLMPress": ".presses", "KnormPress": ".presses", "KeyDiffPress": ".presses",
     "TOVAPress": ".presses", "AdaKVPress": ".presses", "ExpectedAttentionPress": ".presses",
-    "PyramidKVPress": ".presses", "KVzipPress": ".presses", "DecodingPress": ".presses", "make_press": ".presses", "registered": ".presses",
+    "PyramidKVPress": ".presses", "KVzipPress": ".presses",
+    "DecodingPress": ".presses", "make_press": ".presses", "registered": ".presses",
     "compile_config": ".generation",
 }
 __all__ = sorted(_WHERE)

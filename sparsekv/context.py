@@ -181,7 +181,8 @@ def hold_budget(ctx: Context, score: Callable[[], torch.Tensor], by_position: bo
     budgets, largest = (layer.budgets, layer.largest_budget) if own else (ctx.budgets, cache.largest_budget)
     if layer.slots < largest + (every or 1):  # every row within its budget (and the slack `every` leaves)
         return
-    if every is None and by_position and not own and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1:
+    one_a_step = every is None and forward.q_len == 1 and not forward.draft and layer.slots == largest + 1
+    if one_a_step and by_position and not own:
         if forward.victims is None:
             forward.victims = layer.victims(score(), budgets)
         victims = forward.victims

@@ -315,7 +315,8 @@ class Press:
             every = self.eviction_interval() or 1
             after = " Prompts this short are never compressed." if not self.holds_budget_while_decoding() else \
                 f" While decoding it grows to {held} tokens, then evicts one a step." if every == 1 else \
-                f" While decoding it grows to {held + every - 1} tokens, then is cut back to {held} every {every} steps."
+                f" While decoding it grows to {held + every - 1} tokens, then is cut back to {held} every {every} " \
+                "steps."
             say_once((type(self), "whole"), (
                 f"sparsekv: {type(self).__name__}: a prompt of {int(lengths[row])} tokens"
                 f"{f' (row {row})' if len(lengths) > 1 else ''} is kept whole: it is no longer than the "

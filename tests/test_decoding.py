@@ -7,8 +7,8 @@ import torch
 from conftest import greedy, make_model, prompt
 
 from sparsekv import (
-    AdaKVPress, CHESSPress, ChunkPress, DecodingPress, ExpectedAttentionPress, H2OPress, KeyDiffPress, KnormPress, PyramidKVPress,
-    SnapKVPress, TOVAPress,
+    AdaKVPress, CHESSPress, ChunkPress, DecodingPress, ExpectedAttentionPress, H2OPress, KeyDiffPress, KnormPress,
+    PyramidKVPress, SnapKVPress, TOVAPress,
 )
 from sparsekv.presses.registry import make_press
 

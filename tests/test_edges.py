@@ -126,7 +126,7 @@ def test_an_evicting_press_holds_a_budget_larger_than_the_prompt_once_decoding_r
         for row, n in enumerate(lengths):
             alone = greedy(model, ids[row:row + 1, width - n:], new=30, suppress_tokens=[2])
             assert torch.equal(out.sequences[row, width:], alone[0, n:]), f"row {row}"
-    slack = (press.eviction_interval() or 1) - 1  # (a press that cuts every k steps holds up to k - 1 more between cuts)
+    slack = (press.eviction_interval() or 1) - 1  # (a press cutting every k steps holds k - 1 more between cuts)
     assert all(all(50 <= h <= 50 + slack for h in held) for held in real_held(out.cache))
     # Before decoding reaches the budget, a row kept whole holds everything it has seen.
     with press(model):
