@@ -11,7 +11,7 @@ from typing import Callable
 # The built-in presses (`sparsekv.presses.registry.BUILT_IN`), the local tasks (`sparsekv.evaluation.TASKS`) and
 # the dtypes of `sparsekv.models.placement`, as the help lists them.
 PRESS_NAMES = ("snapkv", "h2o", "streamingllm", "chunkkv", "sentencekv", "chess", "knorm", "keydiff", "tova",
-               "pyramidkv", "expectedattention", "adakv", "kvzip")
+               "pyramidkv", "expectedattention", "adakv", "kvzip", "decoding")
 TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "niah_single",
               "niah_multikey", "passkey", "prose_number", "prose_code", "prose_name", "prose_multikey")
