@@ -33,7 +33,6 @@ import torch
 from tqdm.auto import tqdm
 
 
-
 def reference_text() -> str:
     """Python's reference manual, every topic in order of its name: real prose, in every Python."""
     import pydoc_data.topics
@@ -78,11 +77,10 @@ def token_losses(model, ids: torch.Tensor, prompt: int, press=None, label: str =
 
 
 def cache_tokens(cache) -> int:
-    """The most real tokens a row holds in any layer (every slot, for transformers' own cache)."""
-    layers = getattr(cache, "layers", [])
-    if layers and hasattr(layers[0], "valid"):
-        return max(int(layer.valid.sum(-1).max()) for layer in layers if getattr(layer, "valid", None) is not None)
-    return cache.get_seq_length()
+    """The most real tokens a row's KV head holds in any layer (`KVLayer.tokens_held`: lanes too); every slot, for
+    transformers' own cache."""
+    held = [layer.tokens_held() for layer in getattr(cache, "layers", []) if hasattr(layer, "tokens_held")]
+    return max(int(t.max()) for t in held) if held else cache.get_seq_length()
 
 
 def perplexity(losses: list[float]) -> float:
